@@ -81,8 +81,11 @@ class ServingConfig(Section):
 
 
 class GenerateConfig(Section):
-    num_prompts: int = Field(192, ge=1, description="Built-in prompts to generate (before the held-out split).")
-    heldout_fraction: float = Field(0.125, ge=0, lt=1, description="Share of built-in prompts in the fixed held-out split.")
+    num_prompts: int = Field(192, ge=0, description="Built-in prompts to generate (held-out ones included); 0 uses only `user_files`.")
+    heldout_fraction: float = Field(
+        0.125, ge=0, lt=1,
+        description="Share of prompts in the fixed held-out split (never trained on; stable as num_prompts grows).",
+    )
     domains: dict[str, float] = Field(
         default_factory=lambda: {"general": 1.0, "code": 1.0, "math": 1.0, "agent": 1.0},
         description="Mix of built-in prompt domains (relative weights; general, code, math, agent).",
@@ -98,17 +101,47 @@ class GenerateConfig(Section):
     concurrency: int = Field(8, ge=1, description="Concurrent requests to the server.")
     shard_size: int = Field(32, ge=1, description="Conversations per output shard (the unit of resume).")
     max_retries: int = Field(3, ge=0, description="Retries per failed request (exponential backoff).")
+    retry_backoff_s: float = Field(1.0, ge=0, description="First retry delay in seconds; doubles on each further retry.")
     max_failed_fraction: float = Field(0.05, ge=0, le=1, description="Stage fails if more than this share of requests fail.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+
+    @field_validator("domains")
+    @classmethod
+    def _known_domains(cls, v: dict[str, float]) -> dict[str, float]:
+        from drafter.prompts import check_domains
+
+        check_domains(v)
+        return v
+
+    @model_validator(mode="after")
+    def _has_prompts(self) -> "GenerateConfig":
+        if self.num_prompts == 0 and not self.user_files:
+            raise ValueError("nothing to generate: set num_prompts > 0 or give user_files")
+        return self
 
 
 class ScrubConfig(Section):
     kinds: list[str] = Field(
-        default_factory=lambda: ["private_key", "api_key", "token", "url_password", "email"],
-        description="Built-in secret kinds to remove.",
+        default_factory=lambda: ["private_key", "api_key", "token", "url_password", "password", "email"],
+        description="Built-in secret kinds to remove: private_key (PEM/OpenSSH/PGP blocks), api_key (provider keys such as "
+        "sk-…, AKIA…, ghp_…, xox…, AIza…, hf_…, and `api_key=`/`secret=` assignments), token (Bearer/Basic credentials, "
+        "JWTs), url_password (the password in scheme://user:pass@host), password (`password=\"…\"` assignments), email.",
     )
-    extra_patterns: dict[str, str] = Field(default_factory=dict, description="Extra kinds: name → regular expression.")
+    extra_patterns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra kinds: name → regular expression (the secret is the named group `s` if present, else the whole match).",
+    )
     replacement: str = Field("[REDACTED:{kind}]", description="Replacement text; `{kind}` is the kind's name.")
+
+    @field_validator("kinds")
+    @classmethod
+    def _known_kinds(cls, v: list[str]) -> list[str]:
+        from drafter.scrub import BUILTIN_KINDS
+
+        unknown = [k for k in v if k not in BUILTIN_KINDS]
+        if unknown:
+            raise ValueError(f"unknown kind(s) {unknown}; built-in kinds are: {', '.join(BUILTIN_KINDS)}")
+        return v
 
     @field_validator("extra_patterns")
     @classmethod

@@ -59,6 +59,9 @@ class Stage:
     sections: tuple[str, ...]
     run: Callable[["ReleaseConfig", dict[str, Artifact], Path], Metrics]
     description: str = ""
+    # what the stage reads from outside the store (user files, a local checkpoint): a JSON-able
+    # fingerprint (e.g. sizes + sha256) that goes into the key, so changed files mean a new key
+    fingerprint: Callable[["ReleaseConfig"], Any] | None = None
 
 
 def canonical_json(obj: Any) -> str:
@@ -73,4 +76,6 @@ def stage_key(stage: Stage, cfg: "ReleaseConfig", input_keys: dict[str, str]) ->
         "config": {s: getattr(cfg, s).model_dump(mode="json") for s in stage.sections},
         "inputs": dict(sorted(input_keys.items())),
     }
+    if stage.fingerprint is not None:
+        payload["external"] = stage.fingerprint(cfg)
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]

@@ -1,0 +1,1 @@
+"""Prefect flows: `release` (end to end), `retrain` (scheduled), one flow per stage."""

@@ -1,0 +1,76 @@
+"""Prefect tasks: one module per stage, each a thin wrapper of ``drafter.pipeline.run_stage``.
+
+A task run: computes the stage key from the config (also the Prefect cache key, results
+persisted), reuses or computes the output in the store, publishes a metrics table artifact.
+Retries use exponential backoff with jitter; configuration and store-integrity errors are not
+retried (they would fail the same way again).
+
+Also runnable without Prefect, as a container does: ``python -m tasks <stage> --config C --store S``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.context import TaskRunContext
+from prefect.tasks import exponential_backoff
+
+from drafter.config import ReleaseConfig
+from drafter.errors import ConfigError, StoreError
+from drafter.pipeline import plan, run_stage
+
+
+def _key_for(cfg: ReleaseConfig, name: str) -> str:
+    return next(p.key for p in plan(cfg, only=[name]) if p.stage.name == name)
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    cfg = parameters["cfg"]
+    if isinstance(cfg, dict):
+        cfg = ReleaseConfig.model_validate(cfg)
+    return f"drafter-{parameters['name']}-{_key_for(cfg, parameters['name'])}"
+
+
+def _retry_condition(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except (ConfigError, StoreError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _artifact_key(name: str) -> str:
+    return f"{name.replace('_', '-')}-metrics"
+
+
+@task(
+    name="stage",
+    task_run_name="{name}",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=10),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_retry_condition,
+    log_prints=True,
+)
+def stage_task(cfg: ReleaseConfig, name: str) -> dict[str, Any]:
+    """Reuse or compute one stage's output; returns its StageResult as a dict."""
+    result = run_stage(cfg, name)
+    print(result.line())
+    rows = [{"metric": k, "value": v if isinstance(v, (int, float, str)) else str(v)} for k, v in result.metrics.items()]
+    rows = [{"metric": "status", "value": result.status}, {"metric": "key", "value": result.key},
+            {"metric": "output", "value": result.path}, *rows]
+    create_table_artifact(table=rows, key=_artifact_key(name), description=f"{name}: {result.status} ({result.key})")
+    return result.to_dict()
+
+
+def for_stage(name: str, cfg: ReleaseConfig | None = None):
+    """The stage task with this config's retry settings."""
+    opts: dict[str, Any] = {"name": name}
+    if cfg is not None:
+        opts.update(retries=cfg.retries, retry_delay_seconds=exponential_backoff(backoff_factor=max(cfg.retry_delay_s, 0.0)))
+    return stage_task.with_options(**opts)

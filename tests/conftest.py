@@ -1,0 +1,35 @@
+"""Test setup: Prefect runs against one session-wide test harness, with a temporary
+PREFECT_HOME, analytics off and flow heartbeats off; nothing touches the user's ~/.prefect."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="drafter-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", None)  # heartbeats off
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test server for the whole session (startup timeout 120 s on 2 cores)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A tiny random target checkpoint in the embedded target's format (built once)."""
+    from drafter.testing import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-target") / "model")

@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drafter.config import ReleaseConfig, load_config
+from drafter.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_demo_config_loads_with_profiles():
+    cfg = load_config(ROOT / "configs/demo.yaml")
+    quick = load_config(ROOT / "configs/demo.yaml", profile="quick")
+    assert cfg.prepare_target.source == "embedded"
+    assert quick.generate.num_prompts < cfg.generate.num_prompts
+
+
+def test_unknown_field_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"generate\.temprature"):
+        load_config(write(tmp_path, {"generate": {"temprature": 0.5}}))
+
+
+def test_bad_value_is_named_with_value(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"generate": {"top_p": 1.5}}))
+    assert "generate.top_p" in str(e.value) and "1.5" in str(e.value)
+
+
+def test_hub_source_needs_revision(tmp_path):
+    with pytest.raises(ConfigError, match="revision"):
+        load_config(write(tmp_path, {"prepare_target": {"source": "hub", "hub_id": "org/model"}}))
+
+
+def test_bad_scrub_regex_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"scrub\.extra_patterns.*'bad'"):
+        load_config(write(tmp_path, {"scrub": {"extra_patterns": {"bad": "(unclosed"}}}))
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    cfg = load_config(write(tmp_path, {}), overrides=["generate.num_prompts=7", "capture.layers=[1, 2]",
+                                                      "serving.enforce_eager=false"])
+    assert cfg.generate.num_prompts == 7 and cfg.capture.layers == [1, 2] and cfg.serving.enforce_eager is False
+
+
+def test_override_errors(tmp_path):
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(write(tmp_path, {}), overrides=["generate.num_prompts"])
+    with pytest.raises(ConfigError, match="generate.num_prompts"):
+        load_config(write(tmp_path, {}), overrides=["generate.num_prompts=many"])
+
+
+def test_missing_file_and_profile(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="no profile 'fast'.*quick"):
+        load_config(ROOT / "configs/demo.yaml", profile="fast")
+
+
+def test_every_field_has_a_description():
+    """The Prefect UI renders the config as a form: every field needs a description."""
+    def walk(model, prefix=""):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{prefix}{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, ReleaseConfig.__mro__[1]):
+                walk(ann, f"{prefix}{name}.")
+    walk(ReleaseConfig)
+    schema = ReleaseConfig.model_json_schema()
+    assert "generate" in schema["properties"]

@@ -1,0 +1,89 @@
+"""The Prefect release flow and the CLI, on toy stages (the real stages have their own tests)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from drafter import stages as registry
+from drafter.config import ReleaseConfig
+from tests.test_store import CALLS, FAIL_ONCE, TOY
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "ORDER", tuple(TOY))
+    monkeypatch.setattr(registry, "get", lambda n: TOY[n])
+    CALLS.clear()
+    FAIL_ONCE["on"] = False
+    return ReleaseConfig(store={"root": str(tmp_path / "store")}, retries=0)
+
+
+def test_release_flow_runs_then_reuses(prefect_harness, toy):
+    from prefect.client.orchestration import get_client
+    from flows.release import release
+
+    s1 = release(config=toy)
+    assert [r["status"] for r in s1["stages"]] == ["computed", "computed", "skipped"]
+    s2 = release(config=toy)
+    assert [r["status"] for r in s2["stages"]] == ["reused", "reused", "reused"]
+    assert s2["computed"] == [] and CALLS == {"a": 1, "b": 1, "c": 1}
+    assert json.loads(open(s2["summary_path"]).read())["run_id"] == s2["run_id"]
+
+    import asyncio
+
+    async def artifacts():
+        async with get_client() as c:
+            return {a.key for a in await c.read_artifacts()}
+    keys = asyncio.run(artifacts())
+    assert {"a-metrics", "b-metrics", "c-metrics", "release-summary"} <= keys
+
+
+def test_release_flow_retries_transient_failure(prefect_harness, toy):
+    """A stage that dies mid-way is retried by Prefect and resumes from its partial output."""
+    from flows.release import release
+
+    toy.retries = 1
+    toy.retry_delay_s = 0
+    FAIL_ONCE["on"] = True
+    s = release(config=toy, stages=["b"])
+    b = s["stages"][-1]
+    assert b["status"] == "computed" and b["metrics"]["reused"] == 2 and CALLS["b"] == 2
+
+
+def test_release_flow_failure_is_summarized(prefect_harness, toy):
+    from flows.release import release
+    from drafter.pipeline import open_store
+
+    FAIL_ONCE["on"] = True
+    with pytest.raises(RuntimeError, match="failed at b"):
+        release(config=toy, stages=["b"])
+    last = open_store(toy).runs()[-1]
+    assert last["status"] == "failed" and [s["status"] for s in last["stages"]] == ["computed", "failed"]
+
+
+def test_cli_stage_plan_runs_json(toy, tmp_path):
+    from flows.cli import app
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"store: {{root: {toy.store.root}}}\n")
+    r = CliRunner()
+    res = r.invoke(app, ["stage", "b", "-c", str(cfg_path)])
+    assert res.exit_code == 1 and "needs the output of a" in res.output
+    assert r.invoke(app, ["stage", "a", "-c", str(cfg_path)]).exit_code == 0
+    res = r.invoke(app, ["plan", "-c", str(cfg_path)])
+    assert res.exit_code == 0 and "done" in res.output and "to compute" in res.output
+    res = r.invoke(app, ["stage", "nope", "-c", str(cfg_path)])
+    assert res.exit_code == 2 and "unknown stage" in res.output
+    res = r.invoke(app, ["stage", "a", "-c", str(cfg_path), "--set", "generate.top_p=3"])
+    assert res.exit_code == 2 and "generate.top_p" in res.output
+    # runs --json prints the latest run's summary for automation
+    from drafter.pipeline import run_all
+    run_all(toy, echo=lambda *_: None)
+    res = r.invoke(app, ["runs", "-c", str(cfg_path), "--json"])
+    data = json.loads(res.stdout)
+    assert [s["stage"] for s in data["stages"]] == ["a", "b", "c"]
+    assert {"key", "status", "seconds", "metrics"} <= set(data["stages"][0])
+    res = r.invoke(app, ["runs", "-c", str(cfg_path)])
+    assert res.exit_code == 0 and "reused" in res.output and "computed" in res.output
