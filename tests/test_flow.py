@@ -87,3 +87,75 @@ def test_cli_stage_plan_runs_json(toy, tmp_path):
     assert {"key", "status", "seconds", "metrics"} <= set(data["stages"][0])
     res = r.invoke(app, ["runs", "-c", str(cfg_path)])
     assert res.exit_code == 0 and "reused" in res.output and "computed" in res.output
+
+
+def test_deployment_entrypoints_resolve_to_flows():
+    """Every deployment in deployments/prefect.yaml points at a real flow with matching parameters."""
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import yaml
+    from prefect import Flow
+
+    root = Path(__file__).resolve().parents[1]
+    spec = yaml.safe_load((root / "deployments/prefect.yaml").read_text())
+    assert spec["deployments"]
+    for d in spec["deployments"]:
+        path, attr = d["entrypoint"].split(":")
+        mod = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        fl = getattr(mod, attr)
+        assert isinstance(fl, Flow), d["name"]
+        params = inspect.signature(fl.fn).parameters
+        assert set(d.get("parameters", {})) <= set(params), (d["name"], set(d["parameters"]) - set(params))
+        cfg_path = d.get("parameters", {}).get("config_path")
+        if cfg_path:
+            assert (root / cfg_path).is_file(), cfg_path
+
+
+@pytest.mark.slow
+def test_release_flow_against_prefect_server(toy, tmp_path):
+    """The flow also runs against a real `prefect server start` (not only the ephemeral API)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect_bin = Path(sys.executable).parent / "prefect"
+    server = subprocess.Popen([str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/api"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            pytest.fail("prefect server did not start in 120 s")
+        script = (
+            "import sys; from drafter import stages as r; from tests.test_store import TOY\n"
+            "r.ORDER = tuple(TOY); r.get = lambda n: TOY[n]\n"
+            "from drafter.config import ReleaseConfig; from flows.release import release\n"
+            f"s = release(config=ReleaseConfig(store={{'root': {str(tmp_path / 'st')!r}}}, retries=0))\n"
+            "print('STATUS', ','.join(x['status'] for x in s['stages']))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], env={**env, "PREFECT_API_URL": url},
+                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+        assert "STATUS computed,computed,skipped" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        runs = httpx.post(url + "/flow_runs/filter", json={}, timeout=10).json()
+        assert any(r["state_type"] == "COMPLETED" for r in runs)
+    finally:
+        import signal
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
