@@ -1,0 +1,113 @@
+"""Drafter training losses: plain functions on one draft position.
+
+Every loss takes the draft logits ``[N, V]``, the target (logits ``[N, V]`` or token ids ``[N]``)
+and a mask ``[N]`` (1 = a position that counts), computes in float32 whatever the input dtype,
+and returns ``(loss, stats)``: the masked mean loss (a scalar with gradient w.r.t. the draft
+logits only) and detached statistics (mean α, and λ for the hybrid). Definitions
+(``../shared/DESIGN.md``, Losses), with p = target, q = draft:
+
+* ``kl``        KL(p‖q) = Σ p (log p − log q)
+* ``tv``        TV = ½ Σ |p − q|
+* ``lk_alpha``  −log α, α = Σ min(p, q) = 1 − TV (the acceptance rate of probabilistic drafts)
+* ``lk_hybrid`` λ·KL + (1−λ)·TV, λ = exp(−η·sg[α]) — KL while the drafter is poor, TV near the goal
+* ``ce``        −log q(token) on data tokens
+* ``ce_l1``     ce_w·CE + l1_w·‖p − q‖₁
+
+Example::
+
+    loss, stats = lk_hybrid(draft_logits, target_logits, mask, eta=3.0)
+    loss.backward(); stats["alpha"], stats["lambda"]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+_EPS = 1e-12
+
+
+def _masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return x.mean()
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _probs(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0):
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits {tuple(target_logits.shape)} differ in shape")
+    logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(target_logits.detach().float() / temperature, dim=-1)
+    return logp, logq
+
+
+def acceptance(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """α per row = Σ_v min(p_v, q_v) (probabilistic drafts); no gradient."""
+    with torch.no_grad():
+        logp, logq = _probs(draft_logits, target_logits, temperature)
+        return torch.minimum(logp.exp(), logq.exp()).sum(-1)
+
+
+def kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0):
+    logp, logq = _probs(draft_logits, target_logits, temperature)
+    p = logp.exp()
+    per = (p * (logp - logq)).sum(-1)
+    alpha = torch.minimum(p, logq.exp()).sum(-1).detach()
+    return _masked_mean(per, mask), {"alpha": _masked_mean(alpha, mask).item()}
+
+
+def tv(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0):
+    logp, logq = _probs(draft_logits, target_logits, temperature)
+    p, q = logp.exp(), logq.exp()
+    per = 0.5 * (p - q).abs().sum(-1)
+    return _masked_mean(per, mask), {"alpha": _masked_mean((1 - per).detach(), mask).item()}
+
+
+def lk_alpha(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0):
+    logp, logq = _probs(draft_logits, target_logits, temperature)
+    alpha = torch.minimum(logp.exp(), logq.exp()).sum(-1)
+    per = -torch.log(alpha.clamp_min(_EPS))
+    return _masked_mean(per, mask), {"alpha": _masked_mean(alpha.detach(), mask).item()}
+
+
+def lk_hybrid(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, eta: float = 3.0,
+              temperature: float = 1.0):
+    logp, logq = _probs(draft_logits, target_logits, temperature)
+    p, q = logp.exp(), logq.exp()
+    kl_per = (p * (logp - logq)).sum(-1)
+    tv_per = 0.5 * (p - q).abs().sum(-1)
+    alpha = (1 - tv_per).detach()  # sg[α]
+    lam = torch.exp(-eta * alpha)
+    per = lam * kl_per + (1 - lam) * tv_per
+    return _masked_mean(per, mask), {"alpha": _masked_mean(alpha, mask).item(), "lambda": _masked_mean(lam, mask).item()}
+
+
+def ce(draft_logits: Tensor, tokens: Tensor, mask: Tensor | None = None):
+    if tokens.shape != draft_logits.shape[:-1]:
+        raise ValueError(f"tokens {tuple(tokens.shape)} do not match draft logits {tuple(draft_logits.shape)}")
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
+    per = -logq.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    acc = (draft_logits.argmax(-1) == tokens).float()
+    return _masked_mean(per, mask), {"accuracy": _masked_mean(acc, mask).item()}
+
+
+def ce_l1(draft_logits: Tensor, target_logits: Tensor, tokens: Tensor, mask: Tensor | None = None,
+          ce_w: float = 0.1, l1_w: float = 0.9, temperature: float = 1.0):
+    ce_loss, ce_stats = ce(draft_logits, tokens, mask)
+    logp, logq = _probs(draft_logits, target_logits, temperature)
+    l1 = (logp.exp() - logq.exp()).abs().sum(-1)
+    loss = ce_w * ce_loss + l1_w * _masked_mean(l1, mask)
+    return loss, {"alpha": _masked_mean((1 - 0.5 * l1).detach(), mask).item(), **ce_stats}
+
+
+def position_weights(k: int, gamma: float = 4.0) -> Tensor:
+    """Weights of draft positions 0..k-1: exp(−i/γ) (position 0, the first draft, weighs 1)."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    return torch.tensor([math.exp(-i / gamma) for i in range(k)], dtype=torch.float32)
+
+
+LOSSES = {"kl": kl, "tv": tv, "lk_alpha": lk_alpha, "lk_hybrid": lk_hybrid, "ce": ce, "ce_l1": ce_l1}

@@ -1,0 +1,128 @@
+"""Losses against direct formulas (double precision, explicit loops), gradient signs, limits."""
+import math
+
+import pytest
+import torch
+
+from drafter import losses as L
+
+torch.manual_seed(0)
+
+
+def direct(pl, ql):
+    """Direct per-row formulas in float64 with Python loops over the vocabulary."""
+    out = []
+    for a, b in zip(pl.double(), ql.double()):
+        p = [math.exp(x) for x in a.tolist()]
+        zp = sum(p)
+        p = [x / zp for x in p]
+        q = [math.exp(x) for x in b.tolist()]
+        zq = sum(q)
+        q = [x / zq for x in q]
+        kl = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q))
+        tv = 0.5 * sum(abs(pi - qi) for pi, qi in zip(p, q))
+        alpha = sum(min(pi, qi) for pi, qi in zip(p, q))
+        out.append({"kl": kl, "tv": tv, "alpha": alpha, "l1": 2 * tv, "logq": [math.log(x) for x in q]})
+    return out
+
+
+@pytest.fixture
+def batch():
+    p = torch.randn(6, 11) * 2
+    q = torch.randn(6, 11) * 2
+    mask = torch.tensor([1, 1, 0, 1, 1, 0])
+    tok = torch.randint(0, 11, (6,))
+    return p, q, mask, tok
+
+
+def mmean(vals, mask):
+    m = mask.tolist()
+    return sum(v * w for v, w in zip(vals, m)) / sum(m)
+
+
+def test_kl_tv_alpha_match_direct(batch):
+    p, q, mask, _ = batch
+    d = direct(p, q)
+    assert L.kl(q, p, mask)[0].item() == pytest.approx(mmean([r["kl"] for r in d], mask), rel=1e-5)
+    assert L.tv(q, p, mask)[0].item() == pytest.approx(mmean([r["tv"] for r in d], mask), rel=1e-5)
+    assert L.lk_alpha(q, p, mask)[0].item() == pytest.approx(mmean([-math.log(r["alpha"]) for r in d], mask), rel=1e-5)
+    assert L.acceptance(q, p).tolist() == pytest.approx([r["alpha"] for r in d], rel=1e-5)
+    for r in d:
+        assert r["alpha"] == pytest.approx(1 - r["tv"], abs=1e-12)
+
+
+def test_hybrid_matches_direct(batch):
+    p, q, mask, _ = batch
+    d = direct(p, q)
+    eta = 3.0
+    want = [math.exp(-eta * r["alpha"]) * r["kl"] + (1 - math.exp(-eta * r["alpha"])) * r["tv"] for r in d]
+    loss, stats = L.lk_hybrid(q, p, mask, eta=eta)
+    assert loss.item() == pytest.approx(mmean(want, mask), rel=1e-5)
+    assert stats["lambda"] == pytest.approx(mmean([math.exp(-eta * r["alpha"]) for r in d], mask), rel=1e-5)
+
+
+def test_hybrid_limits(batch):
+    p, q, mask, _ = batch
+    assert L.lk_hybrid(q, p, mask, eta=0.0)[0].item() == pytest.approx(L.kl(q, p, mask)[0].item(), rel=1e-6)
+    assert L.lk_hybrid(q, p, mask, eta=200.0)[0].item() == pytest.approx(L.tv(q, p, mask)[0].item(), rel=1e-6)
+
+
+def test_ce_and_ce_l1_match_direct(batch):
+    p, q, mask, tok = batch
+    d = direct(p, q)
+    ce_want = mmean([-r["logq"][t] for r, t in zip(d, tok.tolist())], mask)
+    assert L.ce(q, tok, mask)[0].item() == pytest.approx(ce_want, rel=1e-5)
+    l1_want = mmean([r["l1"] for r in d], mask)
+    got = L.ce_l1(q, p, tok, mask, ce_w=0.1, l1_w=0.9)[0].item()
+    assert got == pytest.approx(0.1 * ce_want + 0.9 * l1_want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kl", "tv", "lk_alpha", "lk_hybrid"])
+def test_gradient_step_raises_acceptance(batch, name):
+    """One small step against the gradient lowers the loss and raises α; no gradient to the target."""
+    p, q, mask, _ = batch
+    q = q.clone().requires_grad_(True)
+    pt = p.clone().requires_grad_(True)
+    loss, _ = L.LOSSES[name](q, pt, mask)
+    loss.backward()
+    assert pt.grad is None or torch.count_nonzero(pt.grad) == 0
+    assert q.grad[mask == 0].abs().max() == 0  # masked rows get no gradient
+    with torch.no_grad():
+        q2 = q - 0.05 * q.grad / q.grad.norm()
+        a0 = (L.acceptance(q, p) * mask).sum()
+        a1 = (L.acceptance(q2, p) * mask).sum()
+        assert L.LOSSES[name](q2, p, mask)[0] < loss
+    assert a1 > a0
+
+
+def test_ce_gradient_sign(batch):
+    _, q, mask, tok = batch
+    q = q.clone().requires_grad_(True)
+    L.ce(q, tok, mask)[0].backward()
+    rows = mask.nonzero().flatten()
+    assert (q.grad[rows, tok[rows]] < 0).all()  # raising the data token's logit lowers the loss
+
+
+def test_identical_is_zero_and_alpha_one(batch):
+    p, _, mask, _ = batch
+    for name in ("kl", "tv", "lk_alpha", "lk_hybrid"):
+        loss, stats = L.LOSSES[name](p.clone(), p, mask)
+        assert loss.item() == pytest.approx(0.0, abs=1e-6)
+        assert stats["alpha"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_stable_in_low_precision_and_extreme_logits():
+    p = torch.tensor([[1e4, 0.0, -1e4]], dtype=torch.bfloat16)
+    q = torch.tensor([[-1e4, 0.0, 1e4]], dtype=torch.bfloat16)
+    for name in ("kl", "tv", "lk_alpha", "lk_hybrid"):
+        loss, _ = L.LOSSES[name](q, p)
+        assert torch.isfinite(loss) and loss.dtype == torch.float32
+
+
+def test_position_weights_and_errors():
+    w = L.position_weights(4, gamma=4.0)
+    assert w.tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)])
+    with pytest.raises(ValueError, match="gamma"):
+        L.position_weights(3, gamma=0)
+    with pytest.raises(ValueError, match="differ in shape"):
+        L.kl(torch.zeros(2, 3), torch.zeros(2, 4))
