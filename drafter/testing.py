@@ -11,6 +11,8 @@ from pathlib import Path
 
 from drafter.target import dense_to_glm4_moe_mtp, glm4_moe_mtp_config, load_embedded_tokenizer, write_checkpoint
 
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
+
 
 def make_tiny_target(
     out_dir: Path,
@@ -18,8 +20,9 @@ def make_tiny_target(
     num_layers: int = 2,
     hidden_size: int = 64,
     intermediate_size: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
     max_position_embeddings: int = 2048,
     rope_theta: float = 100000.0,
     seed: int = 0,
@@ -30,13 +33,16 @@ def make_tiny_target(
     Same architecture, tensor names and files as the re-expressed embedded target (the last layer and
     the MTP block are 2-expert MoEs; the MTP layer starts as a copy of the last layer with
     ``eh_proj = [0 | I]``). Weights come from ``torch.Generator().manual_seed(seed)``; logits have
-    clear margins so greedy decoding is stable. Returns ``out_dir``.
+    clear margins so greedy decoding is stable. ``head_dim`` must be one vLLM's CPU attention supports
+    (32, 64, 80, 96, 112, 128, ...). Returns ``out_dir``.
     """
     import torch
 
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: vLLM's CPU attention supports only {VLLM_CPU_HEAD_DIMS}")
+
     tok = load_embedded_tokenizer()
     vocab = len(tok)
-    head_dim = hidden_size // num_heads
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std):

