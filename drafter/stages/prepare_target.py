@@ -116,12 +116,28 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     }
 
 
+def fingerprint(cfg: ReleaseConfig) -> dict | None:
+    """A local checkpoint (source=path) is read from outside the store: its config and the names,
+    sizes and modification times of its files go into the key (hashing hundreds of GB of weights
+    on every plan would be too slow), so a changed checkpoint means a new key."""
+    c = cfg.prepare_target
+    if c.source != "path":
+        return None
+    root = Path(c.path).expanduser()
+    if not (root / "config.json").is_file():
+        raise StageError(f"prepare_target.path: {root} has no config.json (not a Hugging Face checkpoint directory)")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return {"config_sha256": _sha256(root / "config.json"),
+            "files": [[p.relative_to(root).as_posix(), p.stat().st_size, int(p.stat().st_mtime)] for p in files]}
+
+
 STAGE = Stage(
     name="prepare_target",
     version="1",
     inputs=(),
     sections=("prepare_target",),
     run=run,
+    fingerprint=fingerprint,
     description="Prepare the served target: SmolLM2 re-expressed as GLM-4-MoE with an MTP layer (logits parity checked), "
                 "or a real checkpoint by path or Hub id + revision",
 )

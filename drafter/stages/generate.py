@@ -1,0 +1,127 @@
+"""`generate` stage: regenerate every assistant turn of the training prompts with the served target.
+
+Inputs: the `prepare_target` output (the model directory, its chat template and provenance).
+Computes: the prompt list — built-in prompts (general, code, math, multi-turn agent; seeded, with a
+fixed held-out split) and the user's JSONL/Parquet files — then, with the target served by vLLM
+(``serving.backend: vllm``; started via :func:`drafter.serving.serve`) or loaded in-process by
+transformers (``serving.backend: transformers``), every assistant turn, turn by turn, in the
+thinking modes the chat template supports (see :mod:`drafter.generate`).
+Writes: ``shards/shard-*.jsonl`` (one conversation per row, format in :mod:`drafter.generate`),
+``shard_stats/shard-*.json``, ``server.log`` (vLLM's log) and ``summary.json``.
+Reports: ``rows``, ``train_rows``, ``heldout_rows``, ``failed`` (requests), ``tokens_generated``,
+``tok_per_s``, ``engine``, ``seconds``, ``shards_reused``.
+Resumes: shards finished on an earlier try are kept; the engine is not started when all are done.
+Fails: when more than ``generate.max_failed_fraction`` of the requests fail after retries.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from drafter.config import ReleaseConfig
+from drafter.data import remove_partial_files, write_json_atomic
+from drafter.errors import StageError
+from drafter.generate import (
+    OpenAIChatBackend,
+    TransformersBackend,
+    generate_dataset,
+    template_supports_thinking,
+    thinking_modes,
+)
+from drafter.prompts import build_prompts
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.target import chat_template_text, target_dir, target_info
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    t0 = time.monotonic()
+    g, serving = cfg.generate, cfg.serving
+    model_dir = target_dir(inputs["prepare_target"])
+    info = target_info(inputs["prepare_target"])
+    template = chat_template_text(model_dir)
+    if not template:
+        raise StageError(f"target {model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    target = {"name": info.get("name"), "revision": info.get("revision"),
+              "chat_template_sha256": info.get("chat_template_sha256") or hashlib.sha256(template.encode()).hexdigest()}
+    supported = template_supports_thinking(template)
+    modes = thinking_modes(g.thinking, supported)
+    convs = build_prompts(g)
+    remove_partial_files(out)
+
+    servers = []
+    with ExitStack() as stack:
+        # backend() is called only if some shard still needs generating: a retry that finds every
+        # shard finished does not start the engine
+        def backend():
+            if serving.backend == "transformers":
+                return TransformersBackend(model_dir, dtype=serving.dtype)
+            from drafter.serving import serve
+
+            srv = stack.enter_context(serve(model_dir, serving, log_path=out / "server.log"))
+            servers.append(srv)
+            return OpenAIChatBackend(srv.base_url, srv.model, engine=srv.engine, engine_version=srv.engine_version or "",
+                                     timeout_s=g.request_timeout_s, max_connections=g.concurrency)
+
+        summary = generate_dataset(convs, backend, out, g, target=target, modes=modes)
+
+    seconds = round(time.monotonic() - t0, 2)
+    summary |= {
+        "seconds": seconds,
+        "engine_start_s": servers[0].startup_s if servers else None,
+        "target": target,
+        "thinking_supported": supported,
+        "modes": modes,
+        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens, "seed": g.seed},
+        "prompts": len(convs),
+        "domains": _count(c.domain for c in convs),
+    }
+    if not supported and g.thinking != "off":
+        summary["note"] = note = (f"generate.thinking={g.thinking!r}, but the chat template has no enable_thinking switch: "
+                           "every row was generated in the template's only mode ('default')")
+        log.warning(note)
+    write_json_atomic(out / "summary.json", summary)
+    return {
+        "rows": summary["rows"], "train_rows": summary["train_rows"], "heldout_rows": summary["heldout_rows"],
+        "failed": summary["failed"], "requests": summary["requests"],
+        "tokens_generated": summary["tokens_generated"], "tok_per_s": summary["tok_per_s"],
+        "engine": summary.get("engine", ""), "engine_version": summary.get("engine_version", ""),
+        "seconds": seconds, "shards": summary["shards"], "shards_reused": summary["shards_reused"],
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def fingerprint(cfg: ReleaseConfig) -> list[dict]:
+    """User prompt files are read from outside the store: their size + sha256 go into the key."""
+    fps = []
+    for f in cfg.generate.user_files:
+        p = Path(f).expanduser()
+        if not p.is_file():
+            raise StageError(f"generate.user_files: {p} does not exist")
+        h = hashlib.sha256()
+        with p.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        fps.append({"path": str(f), "size": p.stat().st_size, "sha256": h.hexdigest()})
+    return fps
+
+
+STAGE = Stage(
+    name="generate",
+    version="1",
+    inputs=("prepare_target",),
+    sections=("generate", "serving"),
+    run=run,
+    description="Regenerate every assistant turn of built-in and user prompts with the served target",
+    fingerprint=fingerprint,
+)

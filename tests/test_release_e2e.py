@@ -1,0 +1,113 @@
+"""End to end on a tiny target: prepare_target (path) → generate (transformers backend) → scrub →
+capture; a second run recomputes nothing; a process killed (SIGKILL) in the middle of generate or
+capture leaves no published output, and the rerun finishes with the same bytes as an
+uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drafter.config import load_config
+from drafter.pipeline import open_store, plan, run_all
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path, tiny_target: Path, store: Path, **extra) -> Path:
+    data = {
+        "name": "tiny-e2e",
+        "store": {"root": str(store)},
+        "prepare_target": {"source": "path", "path": str(tiny_target)},
+        "serving": {"backend": "transformers", "dtype": "float32"},
+        "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 4, "concurrency": 2},
+        "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
+    }
+    for k, v in extra.items():
+        data.setdefault(k, {}).update(v)
+    p = tmp_path / f"{store.name}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def manifest_files(store_root: Path, stage: str) -> dict:
+    (d,) = [p for p in (store_root / stage).iterdir() if not p.name.startswith(".")]
+    return json.loads((d / "manifest.json").read_text())["files"]
+
+
+def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
+    cfg = load_config(write_config(tmp_path, tiny_target, tmp_path / "store"))
+    s1 = run_all(cfg, echo=lambda *_: None)
+    assert [s["status"] for s in s1["stages"]] == ["computed"] * 4
+    gen, cap = s1["stages"][1]["metrics"], s1["stages"][3]["metrics"]
+    assert gen["rows"] == 24 and gen["failed"] == 0 and gen["tokens_generated"] > 0
+    assert cap["tokens"] > 0 and cap["sequences"] == 24
+    s2 = run_all(cfg, echo=lambda *_: None)
+    assert [s["status"] for s in s2["stages"]] == ["reused"] * 4 and s2["computed"] == []
+
+
+def test_path_target_changes_change_the_key(tmp_path, tiny_target):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target, copy)
+    cfg = load_config(write_config(tmp_path, copy, tmp_path / "store"))
+    k1 = {p.stage.name: p.key for p in plan(cfg)}
+    (copy / "generation_config.json").write_text((copy / "generation_config.json").read_text() + "\n")
+    k2 = {p.stage.name: p.key for p in plan(cfg)}
+    assert all(k1[n] != k2[n] for n in k1)
+
+
+def _run_stage(cfg_path: Path, stage: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "tasks", stage, "--config", str(cfg_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"stage finished before it could be killed:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("stage made no progress to kill")
+
+
+@pytest.mark.parametrize("stage,pattern", [("generate", "shards/shard-*.jsonl"),
+                                            ("capture", "features/*/shard-*.safetensors")])
+def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, tiny_target, stage, pattern):
+    clean_cfg = write_config(tmp_path, tiny_target, tmp_path / "clean")
+    run_all(load_config(clean_cfg), echo=lambda *_: None)
+
+    cfg_path = write_config(tmp_path, tiny_target, tmp_path / "killed")
+    cfg = load_config(cfg_path)
+    before = [p.stage.name for p in plan(cfg)]
+    run_all(cfg, only=before[: before.index(stage)], echo=lambda *_: None)  # the stages before it
+    key = next(p.key for p in plan(cfg) if p.stage.name == stage)
+    store = open_store(cfg)
+    partial = store.partial_dir(stage, key)
+
+    proc = _run_stage(cfg_path, stage)
+    _kill_when(proc, lambda: len(list(partial.glob(pattern))) >= 1)
+    assert proc.returncode == -signal.SIGKILL
+    assert partial.is_dir() and not store.final_dir(stage, key).exists()  # nothing published
+
+    proc = _run_stage(cfg_path, stage)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert not partial.exists() and store.partials() == []  # no partial stage directory left
+    m = json.loads((store.final_dir(stage, key) / "manifest.json").read_text())
+    assert m["resumed"] is True and m["metrics"]["shards_reused"] >= 1
+    assert manifest_files(tmp_path / "killed", stage) == manifest_files(tmp_path / "clean", stage)
