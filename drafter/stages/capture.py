@@ -1,0 +1,85 @@
+"""`capture` stage: the target's hidden states over the scrubbed conversations — what a drafter
+trains on.
+
+Inputs: `prepare_target` (the checkpoint, tokenizer and chat template) and `scrub`
+(``shards/shard-*.jsonl`` conversations with ``id``, ``split``, ``messages``).
+Computes: each conversation tokenized with the chat template (loss mask = assistant tokens,
+truncated to ``max_seq_len``), run through the target in float32 in batches of
+``batch_tokens``; per token the LM-head input (``hidden_final``, post final norm — what vLLM
+feeds the MTP layer) and the configured layers' states (see :mod:`drafter.capture`).
+Before the first forward pass it estimates the bytes to write and refuses to start when the
+disk lacks ``min_free_margin`` × that.
+Writes: ``features/train/shard-*.safetensors``, ``features/heldout/shard-*.safetensors``
+(~``shard_tokens`` tokens each, written atomically and checked for all-zero / non-finite rows
+first) and ``report.json``.
+Reports: tokens, sequences, tokens_per_s, bytes_per_token, shards, estimated_bytes,
+bytes_written, shards_reused (shards kept from an interrupted earlier try).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafter.capture import FORMAT, capture_features, hidden_tensor_names, load_target_model, tokenize_rows
+from drafter.config import ReleaseConfig
+from drafter.data import iter_rows, list_shards, remove_partial_files, write_json_atomic
+from drafter.errors import StageError
+from drafter.progress import progress
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.target import target_dir, target_info
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    from transformers import AutoTokenizer
+
+    c = cfg.capture
+    model_dir = target_dir(inputs["prepare_target"])
+    src = inputs["scrub"].path / "shards"
+    shards = list_shards(src)
+    if not shards:
+        raise StageError(f"scrub output {src} has no shard-*.jsonl files")
+    remove_partial_files(out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rows = list(iter_rows(src))
+    with progress("capture: tokenize", total=len(rows), unit="rows") as bar:
+        seqs = tokenize_rows(tokenizer, rows, c.max_seq_len, on_row=lambda: bar.advance(1))
+    del rows
+    if not seqs:
+        raise StageError(f"scrub output {src} has no conversations")
+
+    model = load_target_model(model_dir)
+    total = sum(len(s) for s in seqs)
+    with progress("capture", total=total, unit="tok") as bar:
+        res = capture_features(
+            model, seqs, out / "features",
+            layers=c.layers, dtype=c.dtype, batch_tokens=c.batch_tokens, shard_tokens=c.shard_tokens,
+            min_free_margin=c.min_free_margin, on_tokens=bar.advance,
+        )
+
+    metrics = res.metrics()
+    write_json_atomic(out / "report.json", {
+        "format": FORMAT,
+        "target": {k: v for k, v in target_info(inputs["prepare_target"]).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "tensors": ["input_ids", "loss_mask", "seq_offsets", *hidden_tensor_names(c.layers)],
+        "hidden_final": "LM-head input: the last decoder layer's output after the final norm "
+                        "(what vLLM passes to the MTP layer as target_hidden_states)",
+        "hidden_layer_i": "residual stream entering decoder layer i (0 = embeddings)",
+        "layers": list(c.layers),
+        "dtype": c.dtype,
+        "max_seq_len": c.max_seq_len,
+        "splits": res.per_split,
+        "shards": res.shard_files,
+        "compute_seconds": round(res.compute_seconds, 3),
+        "metrics": metrics,
+    })
+    return metrics
+
+
+STAGE = Stage(
+    name="capture",
+    version="1",
+    inputs=("prepare_target", "scrub"),
+    sections=("capture",),
+    run=run,
+    description="Capture the target's hidden states (LM-head input + chosen layers) over the conversations",
+)
