@@ -4,6 +4,7 @@ capture leaves no published output, and the rerun finishes with the same bytes a
 uninterrupted run."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -19,6 +20,15 @@ from drafter.config import load_config
 from drafter.pipeline import open_store, plan, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    """Bigger than the tiny target, so that generate and capture take long enough to be killed."""
+    from drafter.testing import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("small") / "model", num_layers=4, hidden_size=512,
+                            intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=128)
 
 
 def write_config(tmp_path: Path, tiny_target: Path, store: Path, **extra) -> Path:
@@ -80,18 +90,23 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
             return
         if proc.poll() is not None:
             pytest.fail(f"stage finished before it could be killed:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.kill()
     pytest.fail("stage made no progress to kill")
 
 
 @pytest.mark.parametrize("stage,pattern", [("generate", "shards/shard-*.jsonl"),
                                             ("capture", "features/*/shard-*.safetensors")])
-def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, tiny_target, stage, pattern):
-    clean_cfg = write_config(tmp_path, tiny_target, tmp_path / "clean")
-    run_all(load_config(clean_cfg), echo=lambda *_: None)
+def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, small_target, stage, pattern):
+    size = {"generate": {"num_prompts": 64, "max_tokens": 16, "shard_size": 4},
+            # small shards with every layer stored: capture takes seconds, long enough to be killed
+            "capture": {"shard_tokens": 128, "batch_tokens": 128, "layers": [0, 1, 2, 3, 4]}}
+    clean_cfg = write_config(tmp_path, small_target, tmp_path / "clean", **size)
+    t0 = time.monotonic()
+    clean = run_all(load_config(clean_cfg), echo=lambda *_: None)
+    print({s["stage"]: round(s["seconds"], 2) for s in clean["stages"]}, round(time.monotonic() - t0, 1))
 
-    cfg_path = write_config(tmp_path, tiny_target, tmp_path / "killed")
+    cfg_path = write_config(tmp_path, small_target, tmp_path / "killed", **size)
     cfg = load_config(cfg_path)
     before = [p.stage.name for p in plan(cfg)]
     run_all(cfg, only=before[: before.index(stage)], echo=lambda *_: None)  # the stages before it
@@ -110,4 +125,7 @@ def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, tiny_target, stag
     assert not partial.exists() and store.partials() == []  # no partial stage directory left
     m = json.loads((store.final_dir(stage, key) / "manifest.json").read_text())
     assert m["resumed"] is True and m["metrics"]["shards_reused"] >= 1
-    assert manifest_files(tmp_path / "killed", stage) == manifest_files(tmp_path / "clean", stage)
+    killed, clean = manifest_files(tmp_path / "killed", stage), manifest_files(tmp_path / "clean", stage)
+    assert set(killed) == set(clean)
+    data = [f for f in clean if fnmatch.fnmatch(f, pattern)]  # timing reports (summary.json) may differ
+    assert data and {f: killed[f] for f in data} == {f: clean[f] for f in data}
