@@ -168,6 +168,61 @@ class CaptureConfig(Section):
     min_free_margin: float = Field(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
 
 
+LOSS_NAMES = ("kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1")
+
+
+class TrainConfig(Section):
+    """Drafter training (used by `bootstrap_drafter` and `train`)."""
+
+    loss: Literal["kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1"] = Field(
+        "lk_hybrid", description="Loss per draft position (DESIGN.md Losses): kl, tv, lk_alpha (−log α), "
+        "lk_hybrid (λ·KL + (1−λ)·TV, λ = exp(−η·sg[α])), ce (data tokens), ce_l1.")
+    eta: float = Field(3.0, ge=0, description="η of lk_hybrid.")
+    gamma: float = Field(4.0, gt=0, description="Position weights exp(−k/γ), k = 0 for the first draft position.")
+    ce_w: float = Field(0.1, ge=0, description="Weight of CE in ce_l1.")
+    l1_w: float = Field(0.9, ge=0, description="Weight of ‖p − q‖₁ in ce_l1.")
+    k_steps: int = Field(4, ge=1, le=16, description="Draft positions unrolled in training (each fed the drafter's own previous hidden state).")
+    window: int = Field(256, ge=8, description="Tokens per training window (conversations are cut into windows).")
+    micro_batch: int = Field(4, ge=1, description="Windows per micro batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    max_steps: int = Field(200, ge=1, description="Optimizer steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype (bfloat16 = autocast).")
+    seed: int = Field(0, description="Seed of initialization-free randomness: data order.")
+    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
+    eval_every: int = Field(50, ge=1, description="Held-out α per position and simulated τ every N steps.")
+    eval_windows: int = Field(48, ge=1, description="Held-out windows used by the quick check inside training.")
+    freeze: list[str] = Field(
+        default_factory=lambda: ["embed_tokens.*", "*.mlp.experts.*"],
+        description="Frozen parameters (fnmatch globs or `re:` regexes on in-memory names, e.g. "
+        "layers.0.mtp_block.mlp.experts.gate_up_proj): routed experts and embeddings by default.",
+    )
+    data_part: Literal["bootstrap", "finetune", "all"] = Field(
+        "finetune", description="Which half of the captured train split to use (halves split by row id; "
+        "the bootstrap and the fine-tune never see the same rows).")
+    save_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the written tensors.")
+
+
+class BootstrapConfig(TrainConfig):
+    enabled: Literal["auto", "on", "off"] = Field(
+        "auto", description="Bootstrap a stand-in released drafter (next-next-token CE only): `auto` = only for the "
+        "embedded target; real targets ship their own released MTP layer.")
+
+
+def _bootstrap_default() -> BootstrapConfig:
+    return BootstrapConfig(loss="ce", k_steps=1, data_part="bootstrap", max_steps=300, lr=1e-3, eval_every=100)
+
+
+class AblationConfig(Section):
+    losses: list[Literal["kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1"]] = Field(
+        default_factory=list, description="Extra fine-tunes with other losses, all else equal (e.g. [kl] for the "
+        "released / KL / LK table of the DeepSeek-V3 card).")
+
+
 class ReleaseConfig(Section):
     name: str = Field("demo", description="Name of this release (used in the card and run summaries).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where stage outputs are kept.")
@@ -176,6 +231,10 @@ class ReleaseConfig(Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Regenerating training data with the target.")
     scrub: ScrubConfig = Field(default_factory=ScrubConfig, description="Removing secrets before training.")
     capture: CaptureConfig = Field(default_factory=CaptureConfig, description="Capturing target features.")
+    bootstrap_drafter: BootstrapConfig = Field(default_factory=_bootstrap_default,
+                                               description="Demo only: train the stand-in released drafter.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Fine-tuning the released drafter.")
+    ablation: AblationConfig = Field(default_factory=AblationConfig, description="Fine-tunes with other losses for comparison.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
     retries: int = Field(2, ge=0, description="Prefect task retries per stage.")
     retry_delay_s: float = Field(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")

@@ -512,3 +512,25 @@ def download_hub_target(hub_id: str, revision: str, cache_dir: str | None = None
             f"prepare_target: cannot download {hub_id}@{revision} (no network access here?). Run where the Hub is "
             f"reachable, or use `prepare_target.source: path`. ({type(e).__name__}: {e})"
         ) from e
+
+
+def read_tensor(model_dir: Path, name: str, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """One tensor of a checkpoint (single file or sharded with an index), e.g. ``lm_head.weight``."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        if name not in wm:
+            raise StageError(f"{index}: no tensor {name!r} in the weight map")
+        path = model_dir / wm[name]
+    else:
+        path = model_dir / "model.safetensors"
+    if not path.is_file():
+        raise StageError(f"{model_dir}: {path.name} is missing (needed for {name})")
+    with safe_open(str(path), framework="pt") as f:
+        if name not in f.keys():
+            raise StageError(f"{path}: no tensor {name!r}")
+        t = f.get_tensor(name)
+    return t if dtype is None else t.to(dtype)

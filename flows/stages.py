@@ -27,7 +27,5 @@ def make_stage_flow(name: str):
 
 
 STAGE_FLOWS = {name: make_stage_flow(name) for name in ORDER}
-prepare_target_flow = STAGE_FLOWS["prepare_target"]
-generate_flow = STAGE_FLOWS["generate"]
-scrub_flow = STAGE_FLOWS["scrub"]
-capture_flow = STAGE_FLOWS["capture"]
+# module-level names, for deployment entrypoints such as flows/stages.py:capture_flow
+globals().update({f"{name}_flow": fl for name, fl in STAGE_FLOWS.items()})

@@ -413,3 +413,20 @@ def save_drafter(
     save_file(out, str(tmp), metadata={"format": "pt", "layout": layout.name})
     os.replace(tmp, out_path)
     return out_path
+
+
+_LAYOUT_BY_MODEL_TYPE = {"glm4_moe": "embedded-glm4-moe", "deepseek_v3": "deepseek-v3"}
+
+
+def layout_for(checkpoint_dir: Path | str, name: str = "auto") -> MTPLayout:
+    """The layout of a release: ``name``, or (``auto``) chosen by ``model_type`` in its config.json."""
+    if name != "auto":
+        return get_layout(name)
+    cfg_path = Path(checkpoint_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise StageError(f"{checkpoint_dir}: config.json is missing")
+    model_type = json.loads(cfg_path.read_text()).get("model_type")
+    if model_type not in _LAYOUT_BY_MODEL_TYPE:
+        raise StageError(f"{cfg_path}: no drafter layout for model_type {model_type!r}; known: "
+                         f"{sorted(_LAYOUT_BY_MODEL_TYPE)} (set the layout explicitly)")
+    return get_layout(_LAYOUT_BY_MODEL_TYPE[model_type])

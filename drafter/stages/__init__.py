@@ -9,7 +9,7 @@ import importlib
 
 from drafter.stage import Stage
 
-ORDER = ("prepare_target", "generate", "scrub", "capture")
+ORDER = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train")
 
 
 def get(name: str) -> Stage:

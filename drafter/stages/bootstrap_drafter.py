@@ -1,0 +1,42 @@
+"""`bootstrap_drafter` stage (demo only): the stand-in for a released drafter.
+
+Inputs: the target (whose MTP layer starts as a copy of its last decoder layer with
+``eh_proj = [0 | I]``) and the captured features.
+Computes: trains the MTP layer the way DeepSeek's was trained — next-next-token prediction only
+(step 1, CE on data tokens) — on the ``bootstrap`` half of the train split, disjoint from the
+half the fine-tune uses. Real targets ship their own released drafter: with ``enabled: auto`` the
+stage is skipped for them (recorded as skipped, with the reason).
+Writes: ``mtp-trained.safetensors`` (the MTP layer under the release's names: the "released"
+drafter every later comparison uses), ``curves.png``, ``history.jsonl``, ``result.json``.
+Reports: held-out τ at T=0 and T=1 before and after, α per position, tokens/s.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafter.config import ReleaseConfig
+from drafter.errors import StageSkipped
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.target import target_dir, target_info
+from drafter.training_run import run_training, tau_metrics
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    c = cfg.bootstrap_drafter
+    info = target_info(inputs["prepare_target"])
+    if c.enabled == "off" or (c.enabled == "auto" and info.get("source") != "embedded"):
+        raise StageSkipped(f"target {info.get('name')} ships its own released drafter (bootstrap_drafter.enabled={c.enabled})")
+    res = run_training(target_dir(inputs["prepare_target"]), inputs["capture"], c, out,
+                       title=f"bootstrap: {c.loss}, K={c.k_steps}")
+    return {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
+            "seconds": round(res["seconds"], 1)}
+
+
+STAGE = Stage(
+    name="bootstrap_drafter",
+    version="1",
+    inputs=("prepare_target", "capture"),
+    sections=("bootstrap_drafter",),
+    run=run,
+    description="Demo only: train the stand-in released MTP drafter (next-next-token CE)",
+)

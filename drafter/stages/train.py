@@ -1,0 +1,64 @@
+"""`train` stage: fine-tune the released drafter for acceptance.
+
+Inputs: the target, the captured features, and the released drafter — the bootstrap's output on
+the demo, or (bootstrap skipped) the MTP layer shipped inside the target checkpoint.
+Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by default) on the
+``finetune`` half of the train split (see :mod:`drafter.train`), checkpointing inside the stage's
+in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
+all else equal, for the released / KL / LK comparison.
+Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names), ``curves.png``,
+``history.jsonl``, ``result.json``; ``ablations/<loss>/…`` likewise; ``table.md``.
+Reports: held-out τ at T=0 and T=1 of the released and the fine-tuned drafter (and of each
+ablation), α per position, tokens/s.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafter.config import ReleaseConfig
+from drafter.models import TRAINED_NAME
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.target import target_dir
+from drafter.training_run import run_training, tau_metrics
+
+
+def released_weights(bootstrap: Artifact) -> Path | None:
+    """The bootstrap's tensors when it ran; None = the release inside the target checkpoint."""
+    return None if bootstrap.status == "skipped" else bootstrap.path / TRAINED_NAME
+
+
+def acceptance_table(rows: list[tuple[str, dict]]) -> str:
+    """Markdown table: held-out τ per drafter at T=0 and T=1 (the DeepSeek-V3 card's layout)."""
+    lines = ["| drafter | τ (T=0) | τ (T=1) |", "|---|---|---|"]
+    for name, acc in rows:
+        lines.append(f"| {name} | {acc['t0']['tau']:.3f} | {acc['t1_greedy']['tau']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    model_dir = target_dir(inputs["prepare_target"])
+    weights = released_weights(inputs["bootstrap_drafter"])
+    c = cfg.train
+    res = run_training(model_dir, inputs["capture"], c, out, weights=weights,
+                       title=f"fine-tune: {c.loss}, K={c.k_steps}")
+    metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
+               "seconds": round(res["seconds"], 1), "loss": c.loss}
+    rows = [("released", res["baseline"])]
+    for loss in cfg.ablation.losses:
+        ab = run_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), out / "ablations" / loss,
+                          weights=weights, title=f"ablation: {loss}, K={c.k_steps}")
+        metrics |= tau_metrics(ab, prefix=f"{loss}_")
+        rows.append((f"{loss} fine-tune", ab["final"]))
+    rows.append((f"{c.loss} fine-tune", res["final"]))
+    (out / "table.md").write_text(acceptance_table(rows))
+    return metrics
+
+
+STAGE = Stage(
+    name="train",
+    version="1",
+    inputs=("prepare_target", "capture", "bootstrap_drafter"),
+    sections=("train", "ablation"),
+    run=run,
+    description="Fine-tune the released drafter with acceptance-targeted (LK) losses, K-step unrolled",
+)

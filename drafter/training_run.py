@@ -1,0 +1,63 @@
+"""One training run as a stage needs it: load the drafter and data, train (resumable), write the
+tensors under the release's names, the curves and the results. Shared by `bootstrap_drafter`
+and `train` (and its loss ablations).
+
+Example::
+
+    res = run_training(model_dir, capture_artifact, cfg.train, out_dir, weights=None)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from drafter.config import TrainConfig
+from drafter.data import write_json_atomic
+from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
+from drafter.target import read_tensor
+from drafter.train import plot_curves, train
+from drafter.windows import load_windows
+
+
+def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weights: Path | None = None,
+                 title: str = "drafter training", log=print) -> dict:
+    """Train in ``out/work`` (checkpoints there; a retry resumes), then write into ``out``:
+    ``mtp-trained.safetensors``, ``curves.png``, ``history.jsonl``, ``result.json``. Returns the result.
+    A finished run (``result.json`` present) is not trained again."""
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "result.json"
+    if result_path.is_file() and (out / TRAINED_NAME).is_file():
+        return json.loads(result_path.read_text())
+    layout = layout_for(model_dir)
+    drafter = load_drafter(model_dir, layout, weights=weights)
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=cfg.k_steps + 2)
+    eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=cfg.k_steps + 2, max_windows=cfg.eval_windows)
+    res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log)
+    save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
+    plot_curves(res["history"], out / "curves.png", title)
+    with open(out / ".history.jsonl.tmp", "w") as f:
+        for h in res["history"]:
+            f.write(json.dumps(h) + "\n")
+    (out / ".history.jsonl.tmp").replace(out / "history.jsonl")
+    result = {k: v for k, v in res.items() if k != "history"} | {
+        "layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps, "train_windows": len(train_w),
+        "eval_windows": len(eval_w), "weights_in": str(weights) if weights else None}
+    write_json_atomic(result_path, result)
+    shutil.rmtree(out / "work", ignore_errors=True)  # checkpoints served their purpose
+    return result
+
+
+def tau_metrics(result: dict, prefix: str = "") -> dict:
+    """Flat metrics: held-out τ before/after at T=0 and T=1 (greedy drafts), α per position."""
+    b, f = result["baseline"], result["final"]
+    m = {}
+    for rule, name in (("t0", "t0"), ("t1_greedy", "t1")):
+        m[f"{prefix}tau_{name}_before"] = round(b[rule]["tau"], 4)
+        m[f"{prefix}tau_{name}_after"] = round(f[rule]["tau"], 4)
+        m[f"{prefix}tau_{name}_ratio"] = round(f[rule]["tau"] / b[rule]["tau"], 4)
+    m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f["t0"]["alpha"]]
+    return m
