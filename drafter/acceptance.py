@@ -44,12 +44,12 @@ def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int)
     un = drafter.unroll(win.input_ids[None], win.hidden[None], k_steps, win.positions[None])
     out = {r: [] for r in RULES}
     elig = torch.ones(n, dtype=torch.bool)
+    logp_all = F.log_softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
     for k in range(1, k_steps + 1):
         q = un.logits[k - 1][0, :n].float()
-        p = target_logits(win.hidden[k:k + n], head_weight)
-        logp, logq = F.log_softmax(p, -1), F.log_softmax(q, -1)
+        logp, logq = logp_all[k - 1:k - 1 + n], F.log_softmax(q, -1)  # the target at position t+k
         q_arg = q.argmax(-1)
-        out["t0"].append((q_arg == p.argmax(-1)).float())
+        out["t0"].append((q_arg == logp.argmax(-1)).float())
         out["t1_greedy"].append(logp.exp().gather(-1, q_arg[:, None])[:, 0])
         out["t1_prob"].append(torch.minimum(logp.exp(), logq.exp()).sum(-1))
         elig &= win.loss_mask[k + 1:k + 1 + n]

@@ -197,24 +197,33 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=1, description="Held-out α per position and simulated τ every N steps.")
     eval_windows: int = Field(48, ge=1, description="Held-out windows used by the quick check inside training.")
     freeze: list[str] = Field(
-        default_factory=lambda: ["embed_tokens.*", "*.mlp.experts.*"],
+        default_factory=lambda: ["embed_tokens.*", "*.mlp.experts.*", "*.shared_head.head.*"],
         description="Frozen parameters (fnmatch globs or `re:` regexes on in-memory names, e.g. "
-        "layers.0.mtp_block.mlp.experts.gate_up_proj): routed experts and embeddings by default.",
+        "layers.0.mtp_block.mlp.experts.gate_up_proj): routed experts, embeddings and the output head "
+        "(shared with the target in DeepSeek-V3) by default.",
     )
     data_part: Literal["bootstrap", "finetune", "all"] = Field(
         "finetune", description="Which half of the captured train split to use (halves split by row id; "
         "the bootstrap and the fine-tune never see the same rows).")
     save_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the written tensors.")
+    nproc_per_node: int = Field(1, ge=1, description="Training processes (one per GPU): >1 runs the same loop under "
+                                "torchrun (gradients averaged across ranks; NCCL on GPUs, gloo on CPU).")
 
 
 class BootstrapConfig(TrainConfig):
+    """Like TrainConfig, with the defaults of DeepSeek-style MTP pre-training: next-next-token CE, one step."""
+
     enabled: Literal["auto", "on", "off"] = Field(
         "auto", description="Bootstrap a stand-in released drafter (next-next-token CE only): `auto` = only for the "
         "embedded target; real targets ship their own released MTP layer.")
-
-
-def _bootstrap_default() -> BootstrapConfig:
-    return BootstrapConfig(loss="ce", k_steps=1, data_part="bootstrap", max_steps=300, lr=1e-3, eval_every=100)
+    loss: Literal["kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1"] = Field(
+        "ce", description="Loss of the bootstrap: CE on data tokens (next-next-token prediction).")
+    k_steps: int = Field(1, ge=1, le=16, description="Draft positions trained (1: next-next token only).")
+    data_part: Literal["bootstrap", "finetune", "all"] = Field(
+        "bootstrap", description="Half of the captured train split used (disjoint from the fine-tune's).")
+    max_steps: int = Field(200, ge=1, description="Optimizer steps.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    eval_every: int = Field(100, ge=1, description="Held-out α per position and simulated τ every N steps.")
 
 
 class AblationConfig(Section):
@@ -231,7 +240,7 @@ class ReleaseConfig(Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Regenerating training data with the target.")
     scrub: ScrubConfig = Field(default_factory=ScrubConfig, description="Removing secrets before training.")
     capture: CaptureConfig = Field(default_factory=CaptureConfig, description="Capturing target features.")
-    bootstrap_drafter: BootstrapConfig = Field(default_factory=_bootstrap_default,
+    bootstrap_drafter: BootstrapConfig = Field(default_factory=BootstrapConfig,
                                                description="Demo only: train the stand-in released drafter.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Fine-tuning the released drafter.")
     ablation: AblationConfig = Field(default_factory=AblationConfig, description="Fine-tunes with other losses for comparison.")

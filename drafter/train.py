@@ -38,6 +38,10 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
     """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats)."""
     T = len(win.input_ids)
     un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None])
+    target = None
+    if cfg.loss != "ce":  # the target's logits at positions 1..T-2, computed once for every step
+        with torch.no_grad():
+            target = target_logits(win.hidden[1:T - 1], head_weight)
     total, wsum, stats = 0.0, 0.0, []
     for k in range(1, cfg.k_steps + 1):
         n = T - k - 1  # positions whose predicted token x_{t+k+1} exists
@@ -49,8 +53,7 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
         if cfg.loss == "ce":
             loss_k, st = L.ce(q, tokens, mask)
         else:
-            with torch.no_grad():
-                p = target_logits(win.hidden[k:k + n], head_weight)
+            p = target[k - 1:k - 1 + n]  # the target at position t+k
             if cfg.loss == "ce_l1":
                 loss_k, st = L.ce_l1(q, p, tokens, mask, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
             elif cfg.loss == "lk_hybrid":
@@ -71,6 +74,25 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.max_steps - cfg.warmup_steps, 1)
     progress_ = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress_)))
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) under torchrun (torch.distributed initialized), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_grads(params, world: int) -> None:
+    """Average gradients over ranks (what DDP does; the drafter's unroll is not a module forward)."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
 
 
 def _save_checkpoint(path: Path, drafter, opt, step: int, history: list) -> None:
@@ -101,6 +123,9 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     workdir = Path(workdir)
     ckdir = workdir / "ckpt"
     ckdir.mkdir(parents=True, exist_ok=True)
+    rank, world = dist_info()
+    if rank != 0:
+        log = lambda *_: None  # noqa: E731 — rank 0 speaks for all
     torch.manual_seed(cfg.seed)
     n_trainable, n_frozen = freeze(drafter, cfg.freeze)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -118,7 +143,8 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         baseline = json.loads(baseline_path.read_text())
     else:
         baseline = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
-        baseline_path.write_text(json.dumps(baseline))
+        if rank == 0:
+            baseline_path.write_text(json.dumps(baseline))
     log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
         f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}")
 
@@ -127,20 +153,24 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     drafter.train()
     t0, tokens = time.monotonic(), 0
     done_now = 0
-    with progress("train", total=cfg.max_steps, unit="steps") as bar:
+    # each optimizer step consumes per_step × world windows of one seeded stream: rank r takes its
+    # own slice, so N ranks × micro batch m see the windows of 1 rank × micro batch N·m
+    with progress("train" if rank == 0 else f"train (rank {rank})", total=cfg.max_steps, unit="steps") as bar:
         bar.advance(start)
         for step in range(start, cfg.max_steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             step_loss, step_stats = 0.0, []
             for i in range(per_step):
-                win = train_windows[window_order(len(train_windows), cfg.seed, step * per_step + i)]
+                win = train_windows[window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)]
                 with autocast:
                     loss, stats = window_loss(drafter, head_weight, win, cfg, weights)
                 (loss / per_step).backward()
-                step_loss += float(loss) / per_step
+                step_loss += float(loss.detach()) / per_step
                 step_stats.append(stats)
                 tokens += len(win.input_ids)
+            if world > 1:
+                _all_reduce_grads(params, world)
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -159,14 +189,21 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
             history.append(rec)
             bar.advance(1)
             done_now += 1
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.max_steps:
+            if rank == 0 and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.max_steps):
                 _save_checkpoint(latest, drafter, opt, step + 1, history)
             if stop_after is not None and done_now >= stop_after and step + 1 < cfg.max_steps:
                 raise KeyboardInterrupt(f"stopped after {done_now} steps (test)")
     seconds = time.monotonic() - t0
+    if world > 1:  # tokens seen by all ranks together
+        import torch.distributed as dist
+
+        count = torch.tensor([tokens], dtype=torch.int64)
+        dist.all_reduce(count)
+        tokens = int(count)
     final = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "resumed_from": start}
+            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "resumed_from": start, "world_size": world}
 
 
 def plot_curves(history: list[dict], path: Path, title: str) -> Path:
@@ -198,3 +235,32 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def _main() -> None:
+    """``torchrun --nproc_per_node N -m drafter.train --model-dir D --capture C --config-json J --out O``:
+    the same training on N processes (gloo on CPU, NCCL on GPUs); rank 0 writes the outputs."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from drafter.training_run import run_training
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--capture", type=Path, required=True)
+    ap.add_argument("--config-json", required=True, help="a TrainConfig as JSON")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--weights", type=Path)
+    ap.add_argument("--title", default="drafter training")
+    args = ap.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        run_training(args.model_dir, args.capture, TrainConfig.model_validate_json(args.config_json), args.out,
+                     weights=args.weights, title=args.title)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +20,8 @@ from drafter.config import TrainConfig
 from drafter.data import write_json_atomic
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
 from drafter.target import read_tensor
-from drafter.train import plot_curves, train
+from drafter.errors import StageError
+from drafter.train import dist_info, plot_curves, train
 from drafter.windows import load_windows
 
 
@@ -31,12 +34,17 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     result_path = out / "result.json"
     if result_path.is_file() and (out / TRAINED_NAME).is_file():
         return json.loads(result_path.read_text())
+    rank, world = dist_info()
+    if cfg.nproc_per_node > 1 and world == 1:
+        return _launch_torchrun(model_dir, capture, cfg, out, weights, title)
     layout = layout_for(model_dir)
     drafter = load_drafter(model_dir, layout, weights=weights)
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
     train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=cfg.k_steps + 2)
     eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=cfg.k_steps + 2, max_windows=cfg.eval_windows)
     res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log)
+    if rank != 0:
+        return {}
     save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
     plot_curves(res["history"], out / "curves.png", title)
     with open(out / ".history.jsonl.tmp", "w") as f:
@@ -61,3 +69,17 @@ def tau_metrics(result: dict, prefix: str = "") -> dict:
         m[f"{prefix}tau_{name}_ratio"] = round(f[rule]["tau"] / b[rule]["tau"], 4)
     m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f["t0"]["alpha"]]
     return m
+
+
+def _launch_torchrun(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights: Path | None, title: str) -> dict:
+    """Run this training on ``cfg.nproc_per_node`` processes with torchrun and return rank 0's result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc_per_node}",
+           "-m", "drafter.train", "--model-dir", str(model_dir), "--capture", str(getattr(capture, "path", capture)),
+           "--config-json", cfg.model_dump_json(), "--out", str(out), "--title", title]
+    if weights is not None:
+        cmd += ["--weights", str(weights)]
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        raise StageError(f"torchrun training ({cfg.nproc_per_node} processes) failed with exit code {proc.returncode}; "
+                         f"command: {' '.join(cmd[:8])} …")
+    return json.loads((out / "result.json").read_text())

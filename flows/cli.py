@@ -75,6 +75,11 @@ def _print_outputs(summary: dict) -> None:
     else:
         console.print("[green]nothing recomputed[/green]: every stage output was already in the store")
     console.print(f"run summary: {summary.get('summary_path')}")
+    for s in summary["stages"]:
+        table = Path(s["path"]) / "table.md"
+        if s["status"] in ("computed", "reused") and table.is_file():
+            console.print(f"\n[bold]{s['stage']}[/bold]: held-out acceptance (τ = mean accepted tokens per step, incl. the bonus token)")
+            console.print(table.read_text(), markup=False, highlight=False)
 
 
 @app.command("stage")

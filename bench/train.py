@@ -1,0 +1,128 @@
+"""Training throughput of the demo drafter: tokens/s, peak memory, and the share of step time spent
+in the LM head (the part worth fusing or chunking).
+
+    .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
+
+Uses the demo store's target and captured features when present (run `make demo` first),
+otherwise the tiny test target with random windows. Measures, in one run, a full training step
+(K-step unroll + loss + backward + AdamW) and the same step's LM-head work alone (the draft head
+forward/backward and the target head forward on the same shapes), and prints the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter import losses as L  # noqa: E402
+from drafter.config import TrainConfig  # noqa: E402
+from drafter.models import freeze, layout_for, load_drafter  # noqa: E402
+from drafter.target import read_tensor  # noqa: E402
+from drafter.train import window_loss  # noqa: E402
+from drafter.windows import Window, load_windows  # noqa: E402
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def find_demo() -> tuple[Path | None, Path | None]:
+    targets = sorted(glob.glob(str(ROOT / "store/prepare_target/*/model")))
+    captures = sorted(glob.glob(str(ROOT / "store/capture/*/features")))
+    return (Path(targets[-1]) if targets else None, Path(captures[-1]).parent if captures else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--capture", type=Path)
+    args = ap.parse_args()
+
+    target, capture = find_demo()
+    target, capture = args.target or target, args.capture or capture
+    if target is None:
+        from drafter.testing import make_tiny_target
+
+        target = make_tiny_target(Path("/tmp/drafter-bench-tiny/model"))
+        capture = None
+    drafter = load_drafter(target, layout_for(target))
+    head = read_tensor(target, "lm_head.weight", torch.float32)
+    H, V = head.shape[1], head.shape[0]
+    if capture is not None:
+        wins = [w for w in load_windows(capture, "train", "all", args.window) if len(w.input_ids) == args.window]
+        source = f"captured features {capture}"
+    else:
+        g = torch.Generator().manual_seed(0)
+        wins = [Window(f"r{i}", 0, torch.randint(0, V, (args.window,), generator=g), torch.ones(args.window, dtype=torch.bool),
+                       torch.randn(args.window, H, generator=g)) for i in range(16)]
+        source = "random windows on the tiny target"
+    cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
+    n_train, n_frozen = freeze(drafter, cfg.freeze)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    print(f"target {target} (H={H}, V={V}); {source}; K={args.k}, window {args.window}, micro batch {args.micro_batch}; "
+          f"{n_train:,} trainable parameters; torch threads {torch.get_num_threads()}")
+
+    def full_step(i: int) -> int:
+        toks = 0
+        for j in range(args.micro_batch):
+            w = wins[(i * args.micro_batch + j) % len(wins)]
+            loss, _ = window_loss(drafter, head, w, cfg, weights)
+            (loss / args.micro_batch).backward()
+            toks += len(w.input_ids)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return toks
+
+    def head_only(i: int) -> None:
+        """The LM-head work of one step: per window, the target head forward once, and per draft
+        position the draft head forward + backward (input gradient) and the loss on [T, V]."""
+        shead = drafter.layers[0].shared_head
+        for j in range(args.micro_batch):
+            w = wins[(i * args.micro_batch + j) % len(wins)]
+            T = len(w.input_ids)
+            with torch.no_grad():
+                p = w.hidden[1:T - 1] @ head.T
+            for k in range(1, args.k + 1):
+                n = T - k - 1
+                h = w.hidden[:n].clone().requires_grad_(True)
+                q = shead(h)
+                loss, _ = L.lk_hybrid(q, p[k - 1:k - 1 + n], w.loss_mask[k + 1:k + 1 + n])
+                loss.backward()
+
+    full_step(0)  # warm-up
+    head_only(0)
+    rows = []
+    t_full, t_head, toks = 0.0, 0.0, 0
+    for i in range(1, args.steps + 1):  # interleaved so both see the same machine load
+        t0 = time.perf_counter()
+        toks += full_step(i)
+        t_full += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        head_only(i)
+        t_head += time.perf_counter() - t0
+    tok_s = toks / t_full
+    rows.append(("full training step", f"{t_full / args.steps:.3f}", f"{tok_s:,.0f}", "1.00"))
+    rows.append(("LM head + loss only", f"{t_head / args.steps:.3f}", "", f"{t_head / t_full:.2f}"))
+    print(f"\n{'part':<22}{'s/step':>10}{'tokens/s':>12}{'share':>8}")
+    for r in rows:
+        print(f"{r[0]:<22}{r[1]:>10}{r[2]:>12}{r[3]:>8}")
+    print(f"\npeak RSS: {peak_rss_mb():,.0f} MiB")
+    print(f"LM-head share of step time: {t_head / t_full:.2f} (the rest: unrolled MTP block, eh_proj, optimizer)")
+
+
+if __name__ == "__main__":
+    main()
