@@ -94,13 +94,15 @@ def main() -> None:
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
             T = len(w.input_ids)
+            need = torch.nonzero(w.loss_mask[2:T]).flatten() + 1  # as window_loss: assistant targets only
             with torch.no_grad():
-                p = w.hidden[1:T - 1] @ head.T
+                p = w.hidden[need] @ head.T
             for k in range(1, args.k + 1):
                 n = T - k - 1
-                h = w.hidden[:n].clone().requires_grad_(True)
+                sel = torch.nonzero(w.loss_mask[k + 1:k + 1 + n]).flatten()
+                h = w.hidden[sel].clone().requires_grad_(True)
                 q = shead(h)
-                loss, _ = L.lk_hybrid(q, p[k - 1:k - 1 + n], w.loss_mask[k + 1:k + 1 + n])
+                loss, _ = L.lk_hybrid(q, p[: len(sel)])
                 loss.backward()
 
     full_step(0)  # warm-up

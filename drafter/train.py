@@ -35,36 +35,47 @@ from drafter.windows import Window, window_order
 
 
 def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfig, weights: torch.Tensor):
-    """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats)."""
+    """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats).
+
+    Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
+    assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
+    """
     T = len(win.input_ids)
-    un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None])
-    target = None
-    if cfg.loss != "ce":  # the target's logits at positions 1..T-2, computed once for every step
+    un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None], compute_logits=False)
+    target, row_of = None, None
+    if cfg.loss != "ce":  # the target's logits at positions j = 1..T-2 whose next token counts, once for every step
+        need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
         with torch.no_grad():
-            target = target_logits(win.hidden[1:T - 1], head_weight)
+            target = target_logits(win.hidden[need], head_weight)
+        row_of = torch.full((T,), -1, dtype=torch.long)
+        row_of[need] = torch.arange(len(need))
     total, wsum, stats = 0.0, 0.0, []
     for k in range(1, cfg.k_steps + 1):
         n = T - k - 1  # positions whose predicted token x_{t+k+1} exists
         if n <= 0:
             break
-        q = un.logits[k - 1][0, :n]
-        tokens = win.input_ids[k + 1:k + 1 + n]
-        mask = win.loss_mask[k + 1:k + 1 + n]
+        sel = torch.nonzero(win.loss_mask[k + 1:k + 1 + n]).flatten()  # positions t that count
+        if len(sel) == 0:
+            continue
+        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel])
+        tokens = win.input_ids[k + 1 + sel]
         if cfg.loss == "ce":
-            loss_k, st = L.ce(q, tokens, mask)
+            loss_k, st = L.ce(q, tokens)
         else:
-            p = target[k - 1:k - 1 + n]  # the target at position t+k
+            p = target[row_of[sel + k]]  # the target at position t+k
             if cfg.loss == "ce_l1":
-                loss_k, st = L.ce_l1(q, p, tokens, mask, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
+                loss_k, st = L.ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
             elif cfg.loss == "lk_hybrid":
-                loss_k, st = L.lk_hybrid(q, p, mask, eta=cfg.eta)
+                loss_k, st = L.lk_hybrid(q, p, eta=cfg.eta)
             else:
-                loss_k, st = L.LOSSES[cfg.loss](q, p, mask)
+                loss_k, st = L.LOSSES[cfg.loss](q, p)
         w = float(weights[k - 1])
         total = total + w * loss_k
         wsum += w
         stats.append({"loss": float(loss_k.detach()), **st})
-    return total / max(wsum, 1e-12), stats
+    if wsum == 0:  # no assistant token in this window: nothing to learn, but keep the graph valid
+        return un.hidden[0].sum() * 0.0, stats
+    return total / wsum, stats
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -65,8 +65,9 @@ def release(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_:
 def _print_outputs(summary: dict) -> None:
     console.print()
     t = Table(title=f"release {summary['release']} — run {summary['run_id']}")
-    for col in ("stage", "status", "output"):
-        t.add_column(col)
+    t.add_column("stage")
+    t.add_column("status")
+    t.add_column("output", overflow="fold")  # full paths, folded rather than cut
     for s in summary["stages"]:
         t.add_row(s["stage"], s["status"], s["path"])
     console.print(t)
