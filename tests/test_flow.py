@@ -6,18 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from drafter import stages as registry
-from drafter.config import ReleaseConfig
-from tests.test_store import CALLS, FAIL_ONCE, TOY
-
-
-@pytest.fixture
-def toy(monkeypatch, tmp_path):
-    monkeypatch.setattr(registry, "ORDER", tuple(TOY))
-    monkeypatch.setattr(registry, "get", lambda n: TOY[n])
-    CALLS.clear()
-    FAIL_ONCE["on"] = False
-    return ReleaseConfig(store={"root": str(tmp_path / "store")}, retries=0)
+from tests.test_store import CALLS, FAIL_ONCE, toy  # noqa: F401 — the toy-stage fixture (retries off)
 
 
 def test_release_flow_runs_then_reuses(prefect_harness, toy):

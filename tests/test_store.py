@@ -66,7 +66,7 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(registry, "get", lambda n: TOY[n])
     CALLS.clear()
     FAIL_ONCE["on"] = False
-    return ReleaseConfig(store={"root": str(tmp_path / "store")})
+    return ReleaseConfig(store={"root": str(tmp_path / "store")}, retries=0)
 
 
 def test_keys_depend_on_sections_and_inputs(toy):
