@@ -100,10 +100,11 @@ def _all_reduce_grads(params, world: int) -> None:
     """Average gradients over ranks (what DDP does; the drafter's unroll is not a module forward)."""
     import torch.distributed as dist
 
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world
+    for p in params:  # every rank reduces every parameter, in the same order (a None grad is a zero one)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
 
 
 def _save_checkpoint(path: Path, drafter, opt, step: int, history: list) -> None:

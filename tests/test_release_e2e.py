@@ -39,6 +39,8 @@ def write_config(tmp_path: Path, tiny_target: Path, store: Path, **extra) -> Pat
         "serving": {"backend": "transformers", "dtype": "float32"},
         "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 4, "concurrency": 2},
         "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
+        # a few steps of fine-tuning the MTP layer shipped in the (path) target: the bootstrap is skipped
+        "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 3, "warmup_steps": 1, "eval_windows": 2},
     }
     for k, v in extra.items():
         data.setdefault(k, {}).update(v)
@@ -55,12 +57,16 @@ def manifest_files(store_root: Path, stage: str) -> dict:
 def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
     cfg = load_config(write_config(tmp_path, tiny_target, tmp_path / "store"))
     s1 = run_all(cfg, echo=lambda *_: None)
-    assert [s["status"] for s in s1["stages"]] == ["computed"] * 4
+    assert [s["status"] for s in s1["stages"]] == ["computed"] * 4 + ["skipped", "computed"]
     gen, cap = s1["stages"][1]["metrics"], s1["stages"][3]["metrics"]
     assert gen["rows"] == 24 and gen["failed"] == 0 and gen["tokens_generated"] > 0
     assert cap["tokens"] > 0 and cap["sequences"] == 24
+    assert "ships its own released drafter" in s1["stages"][4]["reason"]
+    trained = Path(s1["stages"][5]["path"])
+    assert (trained / "mtp-trained.safetensors").is_file() and (trained / "curves.png").is_file()
+    assert "tau_t0_after" in s1["stages"][5]["metrics"]
     s2 = run_all(cfg, echo=lambda *_: None)
-    assert [s["status"] for s in s2["stages"]] == ["reused"] * 4 and s2["computed"] == []
+    assert [s["status"] for s in s2["stages"]] == ["reused"] * 6 and s2["computed"] == []
 
 
 def test_path_target_changes_change_the_key(tmp_path, tiny_target):
