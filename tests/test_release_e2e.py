@@ -135,3 +135,13 @@ def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, small_target, sta
     assert set(killed) == set(clean)
     data = [f for f in clean if fnmatch.fnmatch(f, pattern)]  # timing reports (summary.json) may differ
     assert data and {f: killed[f] for f in data} == {f: clean[f] for f in data}
+
+
+def test_user_file_contents_change_the_generate_key(tmp_path, tiny_target):
+    f = tmp_path / "traffic.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}) + "\n")
+    cfg = load_config(write_config(tmp_path, tiny_target, tmp_path / "store", generate={"user_files": [str(f)]}))
+    k1 = {p.stage.name: p.key for p in plan(cfg)}
+    f.write_text(f.read_text().replace("hi", "hello"))
+    k2 = {p.stage.name: p.key for p in plan(cfg)}
+    assert k1["prepare_target"] == k2["prepare_target"] and k1["generate"] != k2["generate"]

@@ -33,6 +33,7 @@ from drafter.generate import (
 )
 from drafter.prompts import build_prompts
 from drafter.stage import Artifact, Metrics, Stage
+from drafter.store import sha256_file
 from drafter.target import chat_template_text, target_dir, target_info
 
 log = logging.getLogger(__name__)
@@ -108,11 +109,7 @@ def fingerprint(cfg: ReleaseConfig) -> list[dict]:
         p = Path(f).expanduser()
         if not p.is_file():
             raise StageError(f"generate.user_files: {p} does not exist")
-        h = hashlib.sha256()
-        with p.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        fps.append({"path": str(f), "size": p.stat().st_size, "sha256": h.hexdigest()})
+        fps.append({"path": str(f), "size": p.stat().st_size, "sha256": sha256_file(p)})
     return fps
 
 

@@ -24,6 +24,7 @@ from drafter.config import ReleaseConfig
 from drafter.errors import StageError
 from drafter.progress import progress
 from drafter.stage import Artifact, Metrics, Stage
+from drafter.store import sha256_file
 from drafter.target import (
     EMBEDDED_NAME,
     download_hub_target,
@@ -52,16 +53,6 @@ def _params(model_dir: Path) -> int:
                     n += size
         return n
     return 0
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
@@ -105,7 +96,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             f"{c.parity_tolerance:g} (dtype {c.dtype}; bfloat16 needs a tolerance near 1.0)"
         )
     write_target_json(out, "model", source="embedded", name=EMBEDDED_NAME, revision=f"gguf:{gguf.name}",
-                      dtype=c.dtype, gguf_sha256=_sha256(gguf), mtp_init="copy of last decoder layer, eh_proj=[0|I]")
+                      dtype=c.dtype, gguf_sha256=sha256_file(gguf), mtp_init="copy of last decoder layer, eh_proj=[0|I]")
     return {
         "source": "embedded",
         "max_abs_dlogit": parity["max_abs_dlogit"],
@@ -127,7 +118,7 @@ def fingerprint(cfg: ReleaseConfig) -> dict | None:
     if not (root / "config.json").is_file():
         raise StageError(f"prepare_target.path: {root} has no config.json (not a Hugging Face checkpoint directory)")
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    return {"config_sha256": _sha256(root / "config.json"),
+    return {"config_sha256": sha256_file(root / "config.json"),
             "files": [[p.relative_to(root).as_posix(), p.stat().st_size, int(p.stat().st_mtime)] for p in files]}
 
 
