@@ -232,6 +232,77 @@ class AblationConfig(Section):
         "released / KL / LK table of the DeepSeek-V3 card).")
 
 
+class EvalOfflineConfig(Section):
+    """Offline acceptance of the released (baseline) and fine-tuned (candidate) drafters on held-out windows."""
+
+    k_max: int = Field(7, ge=1, le=16, description="τ is reported for K = 1..k_max draft positions.")
+    window: int = Field(256, ge=8, description="Tokens per held-out window.")
+    max_windows: int | None = Field(None, ge=1, description="Cap on held-out windows (None: all of them).")
+    bootstrap_samples: int = Field(1000, ge=10, description="Bootstrap resamples (over conversations) for the confidence intervals.")
+    confidence: float = Field(0.95, gt=0, lt=1, description="Confidence level of the intervals.")
+    seed: int = Field(0, description="Seed of the bootstrap resampling.")
+    draft_cost: float | None = Field(
+        None, ge=0, description="Cost of one draft step relative to one target forward; None measures it "
+        "(drafter step vs target forward on the held-out windows, this machine).")
+
+
+class QuantizeFp8Config(Section):
+    """The FP8 drop-in of the fine-tuned drafter, quantized with the release's own rule."""
+
+    scale: Literal["auto", "ue8m0", "float32"] = Field(
+        "auto", description="Scale rule: `auto` reads it from the release (float8_e8m0fnu `.scale` → ue8m0, "
+        "float32 `weight_scale_inv` → float32); `ue8m0` = power-of-two scales (V3.1+/V4), `float32` = amax/448 (V3).")
+    block: list[int] | None = Field(None, description="Block shape [rows, cols]; None reads it from the release "
+                                    "(config.json `weight_block_size`, else 128×128 for float32 / 32×32 for ue8m0).")
+    demo_release_scale: Literal["ue8m0", "float32"] = Field(
+        "float32", description="Demo only (embedded target, whose release is not FP8): the rule the stand-in "
+        "FP8 release is written with.")
+
+
+class VerifyFp8Config(Section):
+    """Byte-level verification: the release self-check (part 1) and the drop-in (part 2)."""
+
+    vllm_load: bool = Field(True, description="Part 2: start vLLM on the drop-in (target + FP8 drafter) and generate a few tokens.")
+
+
+class QuantizeExl3Config(Section):
+    """EXL3 form of the fine-tuned drafter (exllamav3; needs CUDA)."""
+
+    enabled: bool = Field(True, description="Produce the EXL3 form (on a machine without CUDA the stage is recorded as skipped).")
+    bits: float = Field(5.0, gt=1, le=8, description="Bits per weight of the drafter layers.")
+    head_bits: int = Field(6, ge=1, le=8, description="Bits of the output head.")
+    overrides: dict[str, float] = Field(
+        default_factory=lambda: {"eh_proj": 6.0},
+        description="Per-tensor bits by name pattern (fnmatch on the release name, or a substring), e.g. {eh_proj: 6}.")
+    python: str | None = Field(None, description="Python of a CUDA environment with exllamav3; default: this one.")
+
+
+class AbLiveConfig(Section):
+    """Live A/B in vLLM: the released vs the fine-tuned drafter, and no speculation as the speed reference."""
+
+    method: str = Field("mtp", description="vLLM `speculative_config.method`.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (K).")
+    draft_sample_methods: list[Literal["greedy", "probabilistic"]] = Field(
+        default_factory=lambda: ["greedy"], description="Draft sampling methods to run where the engine supports them "
+        "(unsupported ones are reported as such).")
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8], description="Concurrent users per measurement.")
+    num_turns: int = Field(16, ge=1, description="Held-out multi-turn agent turns replayed per measurement.")
+    rounds: int = Field(2, ge=1, description="Interleaved rounds: A B A B … (each round runs every drafter once).")
+    max_tokens: int = Field(128, ge=1, description="Max new tokens per replayed turn.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
+    lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+
+
+class GateConfig(Section):
+    """The release gate: live τ and tok/s of the candidate vs the baseline, live vs offline τ."""
+
+    tau_tolerance: float = Field(0.02, ge=0, description="Candidate live τ may be at most this fraction below the baseline's.")
+    tok_s_tolerance: float = Field(0.05, ge=0, description="Candidate live tok/s may be at most this fraction below the baseline's.")
+    min_live_offline_ratio: float = Field(0.7, ge=0, description="Live τ must be at least this fraction of the offline prediction.")
+    force: bool = Field(False, description="Release even if the gate refuses (recorded in the card).")
+
+
 class ReleaseConfig(Section):
     name: str = Field("demo", description="Name of this release (used in the card and run summaries).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where stage outputs are kept.")
@@ -244,6 +315,12 @@ class ReleaseConfig(Section):
                                                description="Demo only: train the stand-in released drafter.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Fine-tuning the released drafter.")
     ablation: AblationConfig = Field(default_factory=AblationConfig, description="Fine-tunes with other losses for comparison.")
+    eval_offline: EvalOfflineConfig = Field(default_factory=EvalOfflineConfig, description="Offline acceptance on held-out windows.")
+    quantize_fp8: QuantizeFp8Config = Field(default_factory=QuantizeFp8Config, description="The FP8 drop-in.")
+    verify_fp8: VerifyFp8Config = Field(default_factory=VerifyFp8Config, description="Byte-level FP8 verification.")
+    quantize_exl3: QuantizeExl3Config = Field(default_factory=QuantizeExl3Config, description="The EXL3 form (CUDA).")
+    ab_live: AbLiveConfig = Field(default_factory=AbLiveConfig, description="Live A/B in vLLM.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="The release gate.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
     retries: int = Field(2, ge=0, description="Prefect task retries per stage.")
     retry_delay_s: float = Field(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
