@@ -34,6 +34,18 @@ def target_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tens
     return hidden.float() @ head_weight.float().T
 
 
+def rule_alphas(p: torch.Tensor, q_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """α of each rule at n positions, from the target's probabilities ``p`` [n, V] and the draft's
+    logits ``q_logits`` [n, V] (any scale: softmax is taken here). Returns rule → [n]."""
+    q_logits = q_logits.float()
+    q_arg = q_logits.argmax(-1)
+    return {
+        "t0": (q_arg == p.argmax(-1)).float(),
+        "t1_greedy": p.gather(-1, q_arg[:, None])[:, 0],
+        "t1_prob": torch.minimum(p, F.softmax(q_logits, -1)).sum(-1),
+    }
+
+
 def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """α per rule, shape [n, K] for the n = T−K−1 positions with all K targets; and their eligibility
     (all K predicted tokens are assistant tokens)."""
@@ -44,14 +56,11 @@ def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int)
     un = drafter.unroll(win.input_ids[None], win.hidden[None], k_steps, win.positions[None])
     out = {r: [] for r in RULES}
     elig = torch.ones(n, dtype=torch.bool)
-    logp_all = F.log_softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
+    p_all = F.softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
     for k in range(1, k_steps + 1):
-        q = un.logits[k - 1][0, :n].float()
-        logp, logq = logp_all[k - 1:k - 1 + n], F.log_softmax(q, -1)  # the target at position t+k
-        q_arg = q.argmax(-1)
-        out["t0"].append((q_arg == logp.argmax(-1)).float())
-        out["t1_greedy"].append(logp.exp().gather(-1, q_arg[:, None])[:, 0])
-        out["t1_prob"].append(torch.minimum(logp.exp(), logq.exp()).sum(-1))
+        a = rule_alphas(p_all[k - 1:k - 1 + n], un.logits[k - 1][0, :n])  # the target at position t+k
+        for r in RULES:
+            out[r].append(a[r])
         elig &= win.loss_mask[k + 1:k + 1 + n]
     return {r: torch.stack(v, 1) for r, v in out.items()}, elig
 

@@ -244,6 +244,10 @@ class EvalOfflineConfig(Section):
     draft_cost: float | None = Field(
         None, ge=0, description="Cost of one draft step relative to one target forward; None measures it "
         "(drafter step vs target forward on the held-out windows, this machine).")
+    cost_repeats: int = Field(5, ge=1, description="Timed repeats (after one warmup) of the draft-cost measurement; the median counts.")
+    speed_rule: Literal["t0", "t1_greedy", "t1_prob"] = Field(
+        "t0", description="Acceptance rule whose τ(K) gives the expected speed and the recommended K "
+        "(t0: greedy target; t1_greedy / t1_prob: T=1 with greedy / probabilistic drafts).")
 
 
 class QuantizeFp8Config(Section):
@@ -275,23 +279,48 @@ class QuantizeExl3Config(Section):
         default_factory=lambda: {"eh_proj": 6.0},
         description="Per-tensor bits by name pattern (fnmatch on the release name, or a substring), e.g. {eh_proj: 6}.")
     python: str | None = Field(None, description="Python of a CUDA environment with exllamav3; default: this one.")
+    codebook: Literal["mul1", "mcg", "3inst"] = Field("mul1", description="exllamav3 trellis codebook (`--codebook`).")
+    cal_rows: int = Field(250, ge=1, description="Calibration rows of exllamav3's built-in corpus (`--cal_rows`).")
+    cal_cols: int = Field(2048, ge=16, description="Tokens per calibration row (`--cal_cols`).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for exllamav3's converter command line.")
+    timeout_s: float = Field(6 * 3600.0, gt=0, description="Give up on the converter after this many seconds.")
+
+    @field_validator("overrides")
+    @classmethod
+    def _override_rates(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: b for k, b in v.items() if not (float(b).is_integer() and (1 <= b <= 8 or b == 16)) and b not in (1.5, 2.5, 3.5)}
+        if bad:
+            raise ValueError(f"override bits must be an integer 1-8, 16 (unquantized) or 1.5/2.5/3.5 (exllamav3's rates); got {bad}")
+        return v
 
 
 class AbLiveConfig(Section):
     """Live A/B in vLLM: the released vs the fine-tuned drafter, and no speculation as the speed reference."""
 
     method: str = Field("mtp", description="vLLM `speculative_config.method`.")
-    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (K).")
+    num_speculative_tokens: int = Field(
+        2, ge=1, le=16, description="Draft tokens per step (K). 2 on the CPU demo: there a draft step costs 13–20% "
+        "of a target step and K=4 ran slower than no speculation; use eval_offline's recommended_k on real hardware.")
     draft_sample_methods: list[Literal["greedy", "probabilistic"]] = Field(
         default_factory=lambda: ["greedy"], description="Draft sampling methods to run where the engine supports them "
         "(unsupported ones are reported as such).")
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8], description="Concurrent users per measurement.")
-    num_turns: int = Field(16, ge=1, description="Held-out multi-turn agent turns replayed per measurement.")
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8], min_length=1,
+                                   description="Concurrent users per measurement (each ≥ 1; live τ and the lossless check use the smallest).")
+    num_turns: int = Field(8, ge=1, description="Held-out multi-turn agent turns replayed per measurement (≥ the largest "
+                           "concurrency, so every user has a request in flight).")
     rounds: int = Field(2, ge=1, description="Interleaved rounds: A B A B … (each round runs every drafter once).")
-    max_tokens: int = Field(128, ge=1, description="Max new tokens per replayed turn.")
+    max_tokens: int = Field(40, ge=1, description="Max new tokens per replayed turn (40 keeps the demo's 6 CPU servers "
+                            "within ~6 minutes).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_concurrency(cls, v: list[int]) -> list[int]:
+        if any(c < 1 for c in v):
+            raise ValueError(f"every concurrency must be ≥ 1, got {v}")
+        return sorted(set(v))
 
 
 class GateConfig(Section):

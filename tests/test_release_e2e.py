@@ -41,6 +41,9 @@ def write_config(tmp_path: Path, tiny_target: Path, store: Path, **extra) -> Pat
         "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
         # a few steps of fine-tuning the MTP layer shipped in the (path) target: the bootstrap is skipped
         "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 3, "warmup_steps": 1, "eval_windows": 2},
+        "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
+        # no vLLM here (transformers backend): ab_live is skipped, so the gate has no live evidence
+        "gate": {"force": True},
     }
     for k, v in extra.items():
         data.setdefault(k, {}).update(v)
@@ -57,7 +60,12 @@ def manifest_files(store_root: Path, stage: str) -> dict:
 def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
     cfg = load_config(write_config(tmp_path, tiny_target, tmp_path / "store"))
     s1 = run_all(cfg, echo=lambda *_: None)
-    assert [s["status"] for s in s1["stages"]] == ["computed"] * 4 + ["skipped", "computed"]
+    status = {s["stage"]: s["status"] for s in s1["stages"]}
+    assert status == {"prepare_target": "computed", "generate": "computed", "scrub": "computed", "capture": "computed",
+                      "bootstrap_drafter": "skipped", "train": "computed", "eval_offline": "computed",
+                      # the tiny target's drafter is not FP8: no FP8 form; EXL3 needs CUDA; A/B needs vLLM
+                      "quantize_fp8": "skipped", "verify_fp8": "skipped", "quantize_exl3": "skipped",
+                      "ab_live": "skipped", "gate": "computed"}
     gen, cap = s1["stages"][1]["metrics"], s1["stages"][3]["metrics"]
     assert gen["rows"] == 24 and gen["failed"] == 0 and gen["tokens_generated"] > 0
     assert cap["tokens"] > 0 and cap["sequences"] == 24
@@ -65,8 +73,12 @@ def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
     trained = Path(s1["stages"][5]["path"])
     assert (trained / "mtp-trained.safetensors").is_file() and (trained / "curves.png").is_file()
     assert "tau_t0_after" in s1["stages"][5]["metrics"]
+    ev = s1["stages"][6]["metrics"]
+    assert ev["tau_t0_k1_candidate"] >= 1.0 and 1 <= ev["recommended_k_candidate"] <= 3
+    assert "needs CUDA" in s1["stages"][9]["reason"] and "vLLM" in s1["stages"][10]["reason"]
+    assert s1["stages"][11]["metrics"]["gate"] == "forced"
     s2 = run_all(cfg, echo=lambda *_: None)
-    assert [s["status"] for s in s2["stages"]] == ["reused"] * 6 and s2["computed"] == []
+    assert [s["status"] for s in s2["stages"]] == ["reused"] * 12 and s2["computed"] == []
 
 
 def test_path_target_changes_change_the_key(tmp_path, tiny_target):

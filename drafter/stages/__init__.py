@@ -9,7 +9,7 @@ import importlib
 
 from drafter.stage import Stage
 
-ORDER = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train")
+ORDER = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train", "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
 
 
 def get(name: str) -> Stage:

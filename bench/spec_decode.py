@@ -1,0 +1,160 @@
+"""Speculative decoding in vLLM: tok/s with and without the MTP drafter on the same prompts.
+
+Serves the target twice with the same settings — without speculation, then with the drafter
+(``--speculative-config {"method": "mtp", "num_speculative_tokens": K}``) — and replays the same
+held-out turns through the `ab_live` code path (:func:`drafter.ab_live.measure`). Reports tok/s of
+both, their ratio, τ from vLLM's counters, and the figure to beat: τ / (1 + K·draft_cost), the
+speedup if verifying K+1 tokens cost what decoding one does (only drafting costs extra).
+``draft_cost`` (one draft step / one target decode step) is measured here with transformers on the
+same machine — a single-token step with a KV cache for the target vs one MTP step with its output
+head for the drafter — or read from an eval_offline output (``--eval-offline DIR``).
+
+Run::
+
+    .venv/bin/python bench/spec_decode.py                  # the demo store (make demo): target + fine-tuned drafter
+    .venv/bin/python bench/spec_decode.py --run 20261129T201630Z-8d41ef   # a given run of the store
+    .venv/bin/python bench/spec_decode.py --k 2 --concurrency 1 --num-turns 8 --max-tokens 64
+    .venv/bin/python bench/spec_decode.py --target DIR --drafter mtp-trained.safetensors --eval-offline store/eval_offline/KEY
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter.ab_live import cpu_server_env, measure, replay_turns  # noqa: E402
+from drafter.config import ServingConfig  # noqa: E402
+from drafter.data import iter_rows  # noqa: E402
+from drafter.models import TRAINED_NAME  # noqa: E402
+from drafter.prompts import builtin_prompts  # noqa: E402
+from drafter.served_model import drafter_model_dir  # noqa: E402
+from drafter.serving import serve, serving_python  # noqa: E402
+
+
+def from_store(store: Path, run_id: str | None = None) -> tuple[Path, Path | None, Path | None]:
+    """(target dir, fine-tuned drafter file, generate dir) of run ``run_id``, else the newest finished run in ``store``."""
+    from drafter.target import target_dir
+
+    runs = sorted((store / "runs").glob(f"{run_id or '*'}.json"))
+    for run in reversed(runs):
+        stages = {s["stage"]: s for s in json.loads(run.read_text()).get("stages", []) if s.get("status") != "skipped"}
+        if "prepare_target" in stages and "train" in stages:
+            gen = Path(stages["generate"]["path"]) if "generate" in stages else None
+            return target_dir(Path(stages["prepare_target"]["path"])), Path(stages["train"]["path"]) / TRAINED_NAME, gen
+    raise SystemExit(f"no finished run{' ' + run_id if run_id else ''} with a train stage in {store}/runs: run `make demo` "
+                     "first, or pass --target/--drafter")
+
+
+def prompts(gen_dir: Path | None, n: int):
+    """Held-out agent turns of a generate output, else the first user turn of the built-in prompts."""
+    if gen_dir is not None:
+        return replay_turns(iter_rows(gen_dir / "shards"), n)[0]
+    from drafter.ab_live import ReplayTurn
+
+    convs = builtin_prompts(n, seed=0)
+    return [ReplayTurn(c.id, c.domain, 1, [m for m in c.messages[:1]]) for c in convs][:n]
+
+
+def measure_draft_cost(model_dir: Path, drafter_file: Path | None, context: int = 256, reps: int = 20) -> float:
+    """Median time of one drafter step (MTP layer + head, 1 token) / one target decode step (1 token, KV cache)."""
+    import torch
+
+    from drafter.models import layout_for, load_drafter
+    from drafter.target import load_reexpressed
+
+    target = load_reexpressed(model_dir)
+    drafter = load_drafter(model_dir, layout_for(model_dir), weights=drafter_file).eval()
+    ids = torch.randint(0, target.config.vocab_size, (1, context))
+    with torch.inference_mode():
+        out = target(ids, use_cache=True, output_hidden_states=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        h = out.hidden_states[-1][:, -1:]
+        nxt = ids[:, -1:]
+        t_target, t_draft = [], []
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            target(nxt, cache=cache, use_cache=True)
+            t_target.append(time.perf_counter() - t0)
+            cache.crop(-1)  # back to `context` tokens: every step sees the same cache
+            t0 = time.perf_counter()
+            drafter.forward_step(0, nxt, h, position_ids=torch.tensor([[context]]))
+            t_draft.append(time.perf_counter() - t0)
+    return statistics.median(t_draft[2:]) / statistics.median(t_target[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", type=Path, default=Path("store"), help="take target, drafter and prompts from this store")
+    ap.add_argument("--run", help="run id in the store (store/runs/<id>.json); default: the newest with a train stage")
+    ap.add_argument("--target", type=Path, help="a model dir vLLM can serve (with an MTP layer)")
+    ap.add_argument("--drafter", type=Path, help="drafter tensors replacing the target's MTP layer (default: its own)")
+    ap.add_argument("--eval-offline", type=Path, help="an eval_offline output: take draft_cost from its eval_offline.json")
+    ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens (ab_live.num_speculative_tokens default)")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--num-turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    if args.target:
+        model_dir, drafter_file, gen_dir = args.target, args.drafter, None
+    else:
+        model_dir, drafter_file, gen_dir = from_store(args.store, args.run)
+        drafter_file = args.drafter or drafter_file
+    turns = prompts(gen_dir, args.num_turns)
+    py = serving_python()
+    serving = ServingConfig(dtype="float32")
+    serving = serving.model_copy(update={"env": cpu_server_env(py, serving)})
+    spec = {"method": "mtp", "num_speculative_tokens": args.k}
+
+    res: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
+        served = drafter_model_dir(model_dir, drafter_file, Path(tmp) / "served") if drafter_file else model_dir
+        for name, sc in (("no speculation", None), ("mtp", spec)):
+            with serve(served, serving, speculative_config=sc, log_path=Path(tmp) / f"{name[:4]}.log") as srv:
+                measure(srv, turns[:1], concurrency=1, max_tokens=8, temperature=0.0)  # warm-up
+                r = measure(srv, turns, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=0.0,
+                            k=args.k if sc else 0)
+                r["startup_s"], r["engine_version"] = srv.startup_s, srv.engine_version
+                res[name] = r
+
+    if args.eval_offline:
+        ev = json.loads((args.eval_offline / "eval_offline.json").read_text())
+        draft_cost, source = float(ev["draft_cost"]), f"eval_offline ({'measured' if ev.get('draft_cost_measured') else 'configured'})"
+    else:
+        draft_cost, source = measure_draft_cost(model_dir, drafter_file), "measured here (transformers, 1 token)"
+
+    base, mtp = res["no speculation"], res["mtp"]
+    ratio = mtp["tok_s"] / base["tok_s"]
+    tau = mtp["tau"] or 1.0
+    bound = tau / (1 + args.k * draft_cost)
+    print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
+          f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
+          f"T=0, float32\n")
+    print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s |")
+    print("|-----------------|---|--------|---------|--------|-------|---------------|")
+    for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):
+        t = "—" if r["tau"] is None else f"{r['tau']:.3f}"
+        print(f"| {name:<15} | {k} | {r['output_tokens']:>6} | {r['seconds']:>7.1f} | {r['tok_s']:>6.2f} | {t:<5} | "
+              f"{r['latency_s']['p50']:>13.2f} |")
+    acc = [round(a / mtp["num_drafts"], 3) for a in mtp["accepted_per_pos"]] if mtp["num_drafts"] else []
+    print(f"\nacceptance per draft position: {acc}")
+    print(f"ratio mtp / no speculation: {ratio:.2f}x")
+    print(f"figure to beat τ / (1 + K·draft_cost) = {tau:.3f} / (1 + {args.k}·{draft_cost:.3f}) = {bound:.2f}x "
+          f"(draft_cost {source}); achieved {ratio / bound:.0%} of it")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "target": str(model_dir), "drafter": str(drafter_file) if drafter_file else None, "k": args.k,
+            "concurrency": args.concurrency, "turns": len(turns), "max_tokens": args.max_tokens,
+            "ratio": ratio, "tau": mtp["tau"], "draft_cost": draft_cost, "draft_cost_source": source, "bound": bound,
+            "runs": res}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

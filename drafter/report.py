@@ -1,0 +1,92 @@
+"""The release report: one table a person reads after a run — released vs fine-tuned drafter,
+offline and live τ, tok/s at each concurrency against no speculation, the FP8 self-check, the EXL3
+form and the gate's verdict — assembled from the stage outputs in the store (no recomputation).
+
+Example::
+
+    from drafter.report import release_report
+    print(release_report(summary))     # summary = the release flow's run summary
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LABELS = {"none": "no speculation", "baseline": "released", "candidate": "fine-tuned"}
+
+
+def _json(stage: dict | None, name: str) -> dict | None:
+    if not stage or stage.get("status") not in ("computed", "reused"):
+        return None
+    p = Path(stage["path"]) / name
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def acceptance_table(ab: dict, ev: dict | None) -> str:
+    """Markdown: per drafter, offline τ (at the live K and rule), live τ, tok/s per concurrency, speedup at 1 user."""
+    k = ab["num_speculative_tokens"]
+    rule = "t0" if ab.get("temperature", 0.0) == 0 else "t1_greedy"
+    conc = sorted({r["concurrency"] for r in ab["runs"]})
+    summ = ab["summary"]
+
+    def row(drafter: str) -> dict:
+        method = "none" if drafter == "none" else "greedy"
+        return {c: summ.get(f"{drafter}/{method}/c{c}") for c in conc}
+
+    ref = row("none")
+    head = ["drafter", f"offline τ ({'T=0' if rule == 't0' else 'T=1'}, K={k})", "live τ"]
+    head += [f"tok/s @{c} user{'s' if c > 1 else ''}" for c in conc] + [f"speedup @{c}" for c in conc]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in ("none", "baseline", "candidate"):
+        r = row(d)
+        if not any(r.values()):
+            continue
+        off = None
+        if ev and d != "none":
+            by_k = ev["drafters"][d][rule]["tau_by_k"]
+            off = by_k[k - 1] if k <= len(by_k) else None
+        first = r[conc[0]] or {}
+        cells = [LABELS[d], _f(off), _f(first.get("tau"))]
+        cells += [_f((r[c] or {}).get("tok_s"), "{:.1f}") for c in conc]
+        cells += [_f((r[c] or {}).get("tok_s") / ref[c]["tok_s"] if r[c] and ref.get(c) and ref[c].get("tok_s") else None,
+                     "{:.2f}×") for c in conc]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def release_report(summary: dict) -> str:
+    """Markdown report of a release run from its stage outputs (missing stages are left out)."""
+    st = {s["stage"]: s for s in summary["stages"]}
+    parts: list[str] = []
+    ab = _json(st.get("ab_live"), "ab_live.json")
+    ev = _json(st.get("eval_offline"), "eval_offline.json")
+    if ab:
+        parts.append("### Acceptance and speed (vLLM)\n\n" + acceptance_table(ab, ev))
+        ll = ab.get("lossless") or {}
+        if ll:
+            parts.append(f"Lossless at T=0: {ll.get('identical')}/{ll.get('prompts')} prompts identical with and "
+                         f"without speculation ({'ok' if ll.get('ok') else 'FAILED'}).\n")
+    if ev:
+        rk = ev.get("recommended_k", {})
+        parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "
+                     f"({rk.get('baseline')} for the released one) at draft cost {ev.get('draft_cost', 0):.3f} "
+                     "of a target forward.\n")
+    for name in ("verify_fp8", "quantize_fp8", "quantize_exl3"):
+        s = st.get(name)
+        if not s:
+            continue
+        if s["status"] == "skipped":
+            parts.append(f"**{name}**: skipped — {s.get('reason')}\n")
+        elif s["status"] in ("computed", "reused"):
+            m = s.get("metrics", {})
+            shown = ", ".join(f"{k}: {v}" for k, v in m.items() if not isinstance(v, (list, dict)))
+            parts.append(f"**{name}**: {shown}\n")
+    gate = _json(st.get("gate"), "gate.json")
+    if gate:
+        parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if gate.get("forced") else "") + "\n")
+    return "\n".join(parts)

@@ -1,0 +1,154 @@
+"""`ab_live` stage: the released vs the fine-tuned drafter, live in vLLM, against no speculation.
+
+Inputs: the target (``prepare_target``), the held-out conversations (``generate``), the released
+drafter (``bootstrap_drafter``: its ``mtp-trained.safetensors``, or — bootstrap skipped — the MTP
+layer inside the target checkpoint) and the fine-tuned one (``train``).
+Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
+``baseline``, ``candidate`` (one per supported draft sampling method), same server build and
+settings, ``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn
+agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.ab_live`): output tok/s, latency per
+request, and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's
+``none`` and ``candidate`` servers also give the lossless check: identical token ids at T=0.
+Writes: ``ab_live.json`` (every run, means over rounds, lossless check, unsupported draft sampling
+methods), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
+Reports: ``tau_live_baseline``, ``tau_live_candidate``, ``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>``,
+``lossless_ok``.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from drafter.ab_live import (
+    ReplayTurn,
+    ab_table,
+    cpu_server_env,
+    engine_draft_sample_methods,
+    flat_metrics,
+    lossless_check,
+    measure,
+    plan_draft_methods,
+    replay_turns,
+    speculative_config,
+    summarize,
+)
+from drafter.config import ReleaseConfig
+from drafter.data import iter_rows, write_json_atomic
+from drafter.errors import StageError, StageSkipped
+from drafter.models import TRAINED_NAME
+from drafter.progress import progress
+from drafter.served_model import drafter_model_dir
+from drafter.serving import engine_version, serve, serving_python
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.stages.train import released_weights
+from drafter.target import target_dir
+
+log = logging.getLogger(__name__)
+WARMUP = ReplayTurn("warmup", "none", 1, [{"role": "user", "content": "Say hello."}])
+
+
+def _servers(methods: list[str]) -> list[tuple[str, str | None]]:
+    """One round: (drafter, draft sample method) per server, in the fixed A B order."""
+    return [("none", None)] + [(d, m) for d in ("baseline", "candidate") for m in methods]
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    t_start = time.monotonic()
+    c, serving = cfg.ab_live, cfg.serving
+    if serving.backend != "vllm":
+        raise StageSkipped(f"ab_live measures vLLM's speculative decoding; serving.backend is {serving.backend!r}")
+    if serving.launcher == "url":
+        raise StageError("ab_live starts one vLLM server per drafter (vLLM cannot swap drafters in a running server); "
+                         "serving.launcher=url points at one fixed server: use launcher subprocess or docker")
+    if inputs["train"].status == "skipped":
+        raise StageSkipped("no fine-tuned drafter to measure: the train stage was skipped")
+    model_dir = target_dir(inputs["prepare_target"])
+    candidate_file = inputs["train"].path / TRAINED_NAME
+    if not candidate_file.is_file():
+        raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
+    baseline_file = released_weights(inputs["bootstrap_drafter"])
+
+    turns, notes = replay_turns(iter_rows(inputs["generate"].path / "shards"), c.num_turns)
+    if max(c.concurrency) > len(turns):
+        notes.append(f"concurrency {max(c.concurrency)} > {len(turns)} replayed turns: at most {len(turns)} requests "
+                     f"are in flight (raise ab_live.num_turns)")
+    for n in notes:
+        log.warning("ab_live: %s", n)
+
+    if serving.launcher == "subprocess":
+        py = serving_python(serving)
+        version = engine_version(py)
+        methods_ok, why = engine_draft_sample_methods(py)
+        serving = serving.model_copy(update={"env": serving.env | cpu_server_env(py, serving)})
+    else:  # docker: the engine is not in a local env to read; only greedy (every engine's default) is assumed
+        version, methods_ok, why = None, None, f"serving.launcher={serving.launcher}: the engine's source is not local"
+    methods, unsupported = plan_draft_methods(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
+    for m, reason in unsupported.items():
+        log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
+
+    servers = _servers(methods)
+    lossless_method = methods[0]
+    c_lossless = min(c.concurrency)
+    reuse_replay = c.temperature == 0  # round 1's replay at T=0 is the lossless check's output
+    runs: list[dict] = []
+    ids: dict[str, list] = {}
+    server_info: list[dict] = []
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
+        served = {"none": model_dir, "candidate": drafter_model_dir(model_dir, candidate_file, Path(tmp) / "candidate"),
+                  "baseline": model_dir if baseline_file is None
+                  else drafter_model_dir(model_dir, baseline_file, Path(tmp) / "baseline")}
+        with progress("ab_live", total=c.rounds * len(servers) * len(c.concurrency), unit="runs") as bar:
+            for rnd in range(1, c.rounds + 1):
+                for drafter, method in servers:
+                    name = f"r{rnd}-{drafter}" + (f"-{method}" if method else "")
+                    spec = speculative_config(c, method, engine_has_field=methods_ok is not None)
+                    with serve(served[drafter], serving, speculative_config=spec,
+                               log_path=out / "logs" / f"server-{name}.log", served_model_name="target") as srv:
+                        version = version or srv.engine_version
+                        server_info.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
+                                            "startup_s": srv.startup_s, "speculative_config": spec})
+                        # first forward passes allocate; a short unrelated request keeps that out of the timing
+                        measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
+                        for conc in c.concurrency:
+                            r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens,
+                                        temperature=c.temperature, k=c.num_speculative_tokens if spec else 0,
+                                        timeout_s=c.request_timeout_s)
+                            token_ids = r.pop("token_ids")
+                            if rnd == 1 and conc == c_lossless and method in (None, lossless_method) and reuse_replay:
+                                ids[drafter] = token_ids
+                            runs.append({"drafter": drafter, "draft_sample_method": method, "round": rnd, **r})
+                            bar.advance(1)
+                            log.info("ab_live %s c%d: %.1f tok/s, τ %s, p50 %.2f s", name, conc, r["tok_s"],
+                                     r["tau"], r["latency_s"]["p50"] or 0)
+                        if (rnd == 1 and c.lossless_prompts and not reuse_replay
+                                and drafter in ("none", "candidate") and method in (None, lossless_method)):
+                            ids[drafter] = measure(srv, turns[:c.lossless_prompts], concurrency=1,
+                                                   max_tokens=c.max_tokens, temperature=0.0,
+                                                   timeout_s=c.request_timeout_s)["token_ids"]
+
+    result = {
+        "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperature": c.temperature,
+        "engine_version": version, "runs": runs, "summary": summarize(runs),
+        "lossless": lossless_check(ids["none"], ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
+        "unsupported": unsupported,
+        "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
+                   "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes},
+        "servers": server_info,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    write_json_atomic(out / "ab_live.json", result)
+    (out / "ab_live.md").write_text(ab_table(result, c.concurrency))
+    return flat_metrics(result, c.concurrency, methods) | {"seconds": result["seconds"], "turns": len(turns)}
+
+
+STAGE = Stage(
+    name="ab_live",
+    version="1",
+    inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
+    sections=("ab_live", "serving"),
+    run=run,
+    description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation",
+)

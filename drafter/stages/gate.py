@@ -1,0 +1,62 @@
+"""`gate` stage: the release proceeds only if the candidate drafter holds up live.
+
+Inputs: `ab_live` (``ab_live.json``: live τ and tok/s per drafter, draft method and concurrency, the
+lossless check) and `eval_offline` (``eval_offline.json``: the offline τ prediction per K and rule).
+Computes: the checks of :mod:`drafter.gate` — candidate vs baseline live τ and tok/s within the
+configured tolerances at every measured concurrency, candidate live τ within
+``min_live_offline_ratio`` of the offline prediction at the live K and matching rule, lossless output.
+With ``ab_live`` skipped (no vLLM) there is no live evidence: the gate refuses unless forced.
+Refused (and ``gate.force`` not set): raises :class:`drafter.gate.GateRefused` whose message is the
+report, so the flow stops before any later stage (nothing is published).
+Writes (pass or forced): ``gate.json`` (verdict, forced, every check with its numbers) and ``gate.md``.
+Reports: ``gate`` (pass / forced), ``forced``, ``failed_checks``, live and offline τ, tok/s at 1 user.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from drafter.config import ReleaseConfig
+from drafter.data import write_json_atomic
+from drafter.errors import StageError
+from drafter.gate import GateRefused, gate_decision, gate_report, gate_without_live
+from drafter.stage import Artifact, Metrics, Stage
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise StageError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StageError(f"{path}: not valid JSON ({e})") from e
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    if inputs["ab_live"].status == "skipped":
+        res = gate_without_live(inputs["ab_live"].manifest.get("reason") or "no reason recorded", cfg.gate)
+    else:
+        ab = _read_json(inputs["ab_live"].path / "ab_live.json")
+        ev = _read_json(inputs["eval_offline"].path / "eval_offline.json")
+        res = gate_decision(ab, ev, cfg.gate)
+    report = gate_report(res)
+    if res["verdict"] == "refused":
+        raise GateRefused(report)
+    write_json_atomic(out / "gate.json", res)
+    (out / "gate.md").write_text(report)
+    metrics: Metrics = {"gate": res["verdict"], "forced": res["forced"], "checks": len(res["checks"]),
+                        "failed_checks": len(res["failed"])}
+    if res["failed"]:
+        metrics["failed"] = ", ".join(res["failed"])
+    metrics |= {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res["key_numbers"].items()}
+    return metrics
+
+
+STAGE = Stage(
+    name="gate",
+    version="1",
+    inputs=("eval_offline", "ab_live"),
+    sections=("gate",),
+    run=run,
+    description="Release gate: the candidate's live τ and tok/s vs the baseline's, live vs offline τ, lossless",
+)

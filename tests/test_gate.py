@@ -1,0 +1,206 @@
+"""The release gate on realistic ab_live / eval_offline documents: an improvement passes, a regression
+(τ, tok/s at any concurrency), a lossless failure and a live-offline gap are refused (the flow stops
+with the report), `force` passes and is recorded."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafter.config import GateConfig, config_from_dict
+from drafter.data import write_json_atomic
+from drafter.errors import StageError
+from drafter.gate import GateRefused, gate_decision, gate_report, offline_rule
+from drafter.stage import Artifact
+from drafter.stages import gate as gate_stage
+
+
+def _run(drafter: str, method: str | None, c: int, r: int, tok_s: float, tau: float | None) -> dict:
+    n_out = 2048
+    drafts = None if tau is None else round(n_out / tau)
+    acc = None if tau is None else n_out - drafts
+    return {"drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": r, "requests": 16,
+            "output_tokens": n_out, "seconds": n_out / tok_s, "tok_s": tok_s,
+            "latency_s": {"mean": 8.0 / c ** 0.5, "p50": 7.5, "p90": 11.0}, "tau": tau,
+            "num_drafts": drafts or 0, "num_draft_tokens": 4 * (drafts or 0), "num_accepted_tokens": acc or 0,
+            "accepted_per_pos": [] if tau is None else [int(acc * f) for f in (0.45, 0.27, 0.17, 0.11)]}
+
+
+def ab_live(tau_base=1.60, tau_cand=1.72, tok={1: (40.0, 52.0, 55.0), 8: (150.0, 170.0, 178.0)},
+            lossless_ok=True) -> dict:
+    """A realistic ab_live.json (the schema the ab_live stage writes): K=4, T=0, greedy drafts,
+    concurrency 1 and 8, 2 interleaved rounds; tok = {c: (none, baseline, candidate)}."""
+    runs, summary = [], {}
+    for c, (t_none, t_base, t_cand) in tok.items():
+        for d, method, ts, tau in (("none", None, t_none, None), ("baseline", "greedy", t_base, tau_base),
+                                   ("candidate", "greedy", t_cand, tau_cand)):
+            rr = [_run(d, method, c, r, ts * (1 + 0.01 * (r - 0.5)), tau) for r in (0, 1)]
+            runs += rr
+            summary[f"{d}/{method or 'none'}/c{c}"] = {
+                "tau": tau, "tok_s": sum(x["tok_s"] for x in rr) / 2, "latency_p50_s": 7.5,
+                "accept_rate_per_pos": [] if tau is None else [0.6, 0.55, 0.5, 0.45], "rounds": 2}
+    mism = [] if lossless_ok else [{"prompt": 3, "first_diff_token": 17}]
+    return {"num_speculative_tokens": 4, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
+            "runs": runs, "summary": summary,
+            "lossless": {"prompts": 8, "identical": 8 - len(mism), "ok": lossless_ok, "mismatches": mism},
+            "unsupported": {"probabilistic": "vLLM 0.32 MTP proposer samples drafts greedily only"}}
+
+
+def eval_offline(tau_base_k4=1.70, tau_cand_k4=1.85, k_max=7) -> dict:
+    """A realistic eval_offline.json: τ(K) rising and flattening, per rule and drafter."""
+    def rule(t4: float, scale: float) -> dict:
+        inc = [(t4 - 1) * f for f in (0.45, 0.27, 0.17, 0.11, 0.06, 0.03, 0.02)][:k_max]
+        by_k, acc = [], 1.0
+        for x in inc:
+            acc += x * scale
+            by_k.append(acc)
+        return {"tau_by_k": by_k, "tau_ci": [[t - 0.05, t + 0.05] for t in by_k], "alpha": inc,
+                "alpha_ci": [[a - 0.02, a + 0.02] for a in inc], "by_domain": {}, "by_mode": {}, "positions": 4200}
+
+    drafters = {d: {"t0": rule(t, 1.0), "t1_greedy": rule(t, 0.9), "t1_prob": rule(t, 1.1)}
+                for d, t in (("baseline", tau_base_k4), ("candidate", tau_cand_k4))}
+    return {"k_max": k_max, "draft_cost": 0.08, "draft_cost_measured": True, "drafters": drafters,
+            "recommended_k": {"baseline": 3, "candidate": 4}, "expected_speedup": {"baseline": [], "candidate": []}}
+
+
+def run_gate(tmp_path, ab: dict, ev: dict, **gate):
+    for name, doc in (("ab_live", ab), ("eval_offline", ev)):
+        write_json_atomic(tmp_path / name / f"{name}.json", doc)
+    inputs = {n: Artifact(n, n[0] * 16, tmp_path / n) for n in ("ab_live", "eval_offline")}
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    return gate_stage.run(config_from_dict({"gate": gate}), inputs, out), out
+
+
+def test_improvement_passes(tmp_path):
+    m, out = run_gate(tmp_path, ab_live(), eval_offline())
+    res = json.loads((out / "gate.json").read_text())
+    assert res["verdict"] == "pass" and res["forced"] is False and res["failed"] == []
+    names = [c["name"] for c in res["checks"]]
+    assert names == ["lossless", "tau/greedy/c1", "tok_s/greedy/c1", "live_vs_offline/greedy/c1",
+                     "tau/greedy/c8", "tok_s/greedy/c8", "live_vs_offline/greedy/c8"]
+    tau1 = res["checks"][1]
+    assert (tau1["value"], tau1["reference"]) == (1.72, 1.60) and tau1["threshold"] == pytest.approx(1.60 * 0.98)
+    lvo = res["checks"][3]  # live 1.72 / offline t0 τ(K=4) 1.85
+    assert lvo["value"] == pytest.approx(1.72 / 1.85) and lvo["reference"] == pytest.approx(1.85)
+    assert m["gate"] == "pass" and m["failed_checks"] == 0 and m["tau_live_candidate"] == 1.72
+    assert m["tau_offline_candidate"] == pytest.approx(1.85) and m["tok_s_c1_none"] == pytest.approx(40.0)
+    assert "PASS" in (out / "gate.md").read_text()
+    assert "probabilistic" in (out / "gate.md").read_text()  # unsupported methods are reported
+
+
+def test_tau_regression_is_refused_with_the_report(tmp_path):
+    with pytest.raises(GateRefused) as e:
+        run_gate(tmp_path, ab_live(tau_cand=1.50), eval_offline())
+    msg = str(e.value)
+    assert "REFUSED" in msg and "**tau/greedy/c1**" in msg and "**tau/greedy/c8**" in msg
+    assert "candidate live τ 1.500 vs baseline 1.600 (must be ≥ 1.568" in msg
+    assert "tok_s/greedy/c1**" not in msg  # only the failed checks are listed as reasons
+    assert "gate.force" in msg
+    assert not (tmp_path / "out" / "gate.json").exists()  # nothing to publish
+    assert isinstance(e.value, StageError)
+
+
+def test_tok_s_regression_at_higher_concurrency_is_refused(tmp_path):
+    ab = ab_live(tok={1: (40.0, 52.0, 53.0), 8: (150.0, 170.0, 150.0)})  # c8: −11.8 % > 5 %
+    with pytest.raises(GateRefused, match=r"\*\*tok_s/greedy/c8\*\*: candidate 150.0 tok/s vs baseline 170.0"):
+        run_gate(tmp_path, ab, eval_offline())
+    # within the tolerance it passes
+    m, _ = run_gate(tmp_path, ab, eval_offline(), tok_s_tolerance=0.15)
+    assert m["gate"] == "pass"
+
+
+def test_lossless_failure_is_refused(tmp_path):
+    with pytest.raises(GateRefused, match=r"(?s)\*\*lossless\*\*: 7/8 prompts identical.*prompt 3 at token 17"):
+        run_gate(tmp_path, ab_live(lossless_ok=False), eval_offline())
+    ab = ab_live()
+    ab["lossless"] = {"prompts": 0, "identical": 0, "ok": True, "mismatches": []}
+    with pytest.raises(GateRefused, match="ran on no prompts"):
+        run_gate(tmp_path, ab, eval_offline())
+    ab["lossless"] = None  # what ab_live writes with lossless_prompts = 0
+    with pytest.raises(GateRefused, match="ran on no prompts"):
+        run_gate(tmp_path, ab, eval_offline())
+
+
+def test_live_offline_gap_is_refused(tmp_path):
+    # the offline prediction (3.0) is far above what vLLM measured (1.72): 0.57 < 0.7
+    with pytest.raises(GateRefused, match=r"live τ 1.720 / offline τ 3.000 \(t0, K=4\) = 0.573"):
+        run_gate(tmp_path, ab_live(), eval_offline(tau_cand_k4=3.0))
+    m, _ = run_gate(tmp_path, ab_live(), eval_offline(tau_cand_k4=3.0), min_live_offline_ratio=0.5)
+    assert m["gate"] == "pass"
+
+
+def test_live_k_beyond_offline_k_max_fails_its_check():
+    res = gate_decision(ab_live(), eval_offline(k_max=3), GateConfig())
+    assert res["verdict"] == "refused"
+    assert res["failed"] == ["live_vs_offline/greedy/c1", "live_vs_offline/greedy/c8"]
+    assert "raise eval_offline.k_max to ≥ 4" in gate_report(res)
+
+
+def test_force_passes_and_is_recorded(tmp_path):
+    m, out = run_gate(tmp_path, ab_live(tau_cand=1.50, lossless_ok=False), eval_offline(), force=True)
+    res = json.loads((out / "gate.json").read_text())
+    assert res["verdict"] == "forced" and res["forced"] is True and res["force"] is True
+    assert res["failed"] == ["lossless", "tau/greedy/c1", "tau/greedy/c8"]  # live/offline 1.50/1.85 = 0.81 is fine
+    assert m["gate"] == "forced" and m["forced"] is True and m["failed_checks"] == 3
+    assert m["failed"] == "lossless, tau/greedy/c1, tau/greedy/c8"
+    assert "FORCED" in (out / "gate.md").read_text()
+    # force on a passing release: still a plain pass, not recorded as forced
+    m, out = run_gate(tmp_path, ab_live(), eval_offline(), force=True)
+    assert m["gate"] == "pass" and json.loads((out / "gate.json").read_text())["forced"] is False
+
+
+def test_rule_follows_temperature_and_draft_method():
+    assert offline_rule(0.0, "greedy") == "t0" and offline_rule(0.0, "probabilistic") == "t0"
+    assert offline_rule(1.0, "greedy") == "t1_greedy" and offline_rule(0.7, "probabilistic") == "t1_prob"
+    ab = ab_live()
+    ab["temperature"] = 1.0
+    for c in (1, 8):  # add probabilistic-draft measurements
+        for d, tau in (("baseline", 1.65), ("candidate", 1.80)):
+            ab["summary"][f"{d}/probabilistic/c{c}"] = dict(ab["summary"][f"{d}/greedy/c{c}"], tau=tau)
+    ev = eval_offline()
+    res = gate_decision(ab, ev, GateConfig())
+    by = {c["name"]: c for c in res["checks"]}
+    assert by["live_vs_offline/greedy/c1"]["reference"] == ev["drafters"]["candidate"]["t1_greedy"]["tau_by_k"][3]
+    assert by["live_vs_offline/probabilistic/c1"]["reference"] == ev["drafters"]["candidate"]["t1_prob"]["tau_by_k"][3]
+    assert by["live_vs_offline/probabilistic/c1"]["value"] == pytest.approx(1.80 / ev["drafters"]["candidate"]["t1_prob"]["tau_by_k"][3])
+
+
+def test_bad_inputs_name_the_file_and_key(tmp_path):
+    ab = ab_live()
+    del ab["summary"]["baseline/greedy/c8"]
+    with pytest.raises(StageError, match="summary has candidate/greedy/c8 but no baseline/greedy/c8"):
+        run_gate(tmp_path, ab, eval_offline())
+    ab = ab_live()
+    del ab["lossless"]
+    with pytest.raises(StageError, match="ab_live.json: missing key 'lossless'"):
+        run_gate(tmp_path, ab, eval_offline())
+    ab = ab_live()
+    ab["summary"] = {k: v for k, v in ab["summary"].items() if not k.startswith("candidate")}
+    with pytest.raises(StageError, match="summary has no candidate entry"):
+        run_gate(tmp_path, ab, eval_offline())
+    ab = ab_live()
+    ab["summary"]["candidate/greedy/c1"] = dict(ab["summary"]["candidate/greedy/c1"], tau=None)
+    res = gate_decision(ab, eval_offline(), GateConfig())
+    assert "tau/greedy/c1" in res["failed"] and "live_vs_offline/greedy/c1" in res["failed"]
+    inputs = {"ab_live": Artifact("ab_live", "a" * 16, tmp_path / "nothing"),
+              "eval_offline": Artifact("eval_offline", "e" * 16, tmp_path / "eval_offline")}
+    with pytest.raises(StageError, match=r"nothing/ab_live.json does not exist"):
+        gate_stage.run(config_from_dict({}), inputs, tmp_path / "o")
+
+
+def test_skipped_live_ab_refuses_unless_forced(tmp_path):
+    """No vLLM (ab_live skipped): no live evidence, so the gate refuses — or, forced, records why."""
+    write_json_atomic(tmp_path / "eval_offline" / "eval_offline.json", eval_offline())
+    inputs = {"eval_offline": Artifact("eval_offline", "e" * 16, tmp_path / "eval_offline"),
+              "ab_live": Artifact("ab_live", "a" * 16, tmp_path / "ab_live",
+                                  {"status": "skipped", "reason": "serving.backend is 'transformers'"})}
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(GateRefused, match="ab_live was skipped.*transformers"):
+        gate_stage.run(config_from_dict({}), inputs, out)
+    assert not (out / "gate.json").exists()
+    m = gate_stage.run(config_from_dict({"gate": {"force": True}}), inputs, out)
+    assert m["gate"] == "forced" and m["failed"] == "live"
+    doc = json.loads((out / "gate.json").read_text())
+    assert doc["forced"] is True and "transformers" in doc["checks"][0]["detail"]
