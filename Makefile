@@ -42,6 +42,9 @@ $(SERVE_VENV)/.installed: deployments/serving-requirements.sh
 bench: envs
 	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/capture.py
 	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/generate.py
+	$(VPY) bench/train.py
+	$(VPY) bench/fp8.py
+	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/spec_decode.py
 
 clean-store:
 	rm -rf store

@@ -59,6 +59,30 @@ def acceptance_table(ab: dict, ev: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _quant_lines(st: dict) -> list[str]:
+    """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
+    out = []
+    q, v, e = st.get("quantize_fp8"), st.get("verify_fp8"), st.get("quantize_exl3")
+    if v and v["status"] == "skipped":
+        out.append(f"**FP8**: not produced — {v.get('reason')}\n")
+    elif v and v["status"] in ("computed", "reused"):
+        m = v["metrics"]
+        out.append(f"**FP8 self-check** of the release ({m.get('rule', '')}): {m.get('blocks_identical')} blocks "
+                   f"byte-identical, {m.get('blocks_edge')} rounding-edge, {m.get('blocks_differ')} differ "
+                   f"(of {m.get('blocks_total')}); drop-in keys/index/untouched bytes "
+                   f"{'ok' if m.get('dropin_keys_ok') else 'FAILED'}; vLLM load: {m.get('vllm_load')}\n")
+    if q and q["status"] in ("computed", "reused"):
+        m = q["metrics"]
+        out.append(f"**FP8 drop-in**: {m.get('tensors')} tensors ({m.get('fp8_tensors')} re-quantized, "
+                   f"{m.get('kept_tensors')} kept as the release's bytes); largest relative FP8 error "
+                   f"{m.get('max_fp8_rel_error'):.4f} ({m.get('max_fp8_rel_error_tensor')})\n")
+    if e and e["status"] == "skipped":
+        out.append(f"**EXL3**: not produced — {e.get('reason')}\n")
+    elif e and e["status"] in ("computed", "reused"):
+        out.append(f"**EXL3**: produced ({e['path']}/exl3)\n")
+    return out
+
+
 def release_report(summary: dict) -> str:
     """Markdown report of a release run from its stage outputs (missing stages are left out)."""
     st = {s["stage"]: s for s in summary["stages"]}
@@ -76,16 +100,7 @@ def release_report(summary: dict) -> str:
         parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "
                      f"({rk.get('baseline')} for the released one) at draft cost {ev.get('draft_cost', 0):.3f} "
                      "of a target forward.\n")
-    for name in ("verify_fp8", "quantize_fp8", "quantize_exl3"):
-        s = st.get(name)
-        if not s:
-            continue
-        if s["status"] == "skipped":
-            parts.append(f"**{name}**: skipped — {s.get('reason')}\n")
-        elif s["status"] in ("computed", "reused"):
-            m = s.get("metrics", {})
-            shown = ", ".join(f"{k}: {v}" for k, v in m.items() if not isinstance(v, (list, dict)))
-            parts.append(f"**{name}**: {shown}\n")
+    parts += _quant_lines(st)
     gate = _json(st.get("gate"), "gate.json")
     if gate:
         parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if gate.get("forced") else "") + "\n")

@@ -20,6 +20,7 @@ from rich.table import Table
 from drafter.config import ReleaseConfig, load_config
 from drafter.errors import DrafterError
 from drafter.pipeline import format_table, open_store, plan, run_stage
+from drafter.report import release_report
 from drafter.store import Store
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Release pipeline for speculative-decoding drafters.")
@@ -81,6 +82,10 @@ def _print_outputs(summary: dict) -> None:
         if s["status"] in ("computed", "reused") and table.is_file():
             console.print(f"\n[bold]{s['stage']}[/bold]: held-out acceptance (τ = mean accepted tokens per step, incl. the bonus token)")
             console.print(table.read_text(), markup=False, highlight=False)
+    report = release_report(summary)
+    if report:
+        console.print("\n[bold]release report[/bold]")
+        console.print(report, markup=False, highlight=False)
 
 
 @app.command("stage")

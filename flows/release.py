@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from drafter.config import ReleaseConfig, load_config
+from drafter.report import release_report
 from drafter.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
 from tasks import for_stage
 
@@ -70,7 +71,8 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
         results.append(r)
     summary = summarize(cfg, run_id, started, results, "failed" if error else "completed", error)
     summary["summary_path"] = store.write_run(run_id, summary)
-    create_markdown_artifact(markdown=summary_markdown(summary), key="release-summary", description=f"release {cfg.name}")
+    create_markdown_artifact(markdown=summary_markdown(summary) + "\n\n" + release_report(summary), key="release-summary",
+                             description=f"release {cfg.name}")
     print(format_table(summary))
     if error:
         raise RuntimeError(f"release {cfg.name} failed at {error}")

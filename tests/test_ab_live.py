@@ -278,3 +278,22 @@ def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
     hf = ReleaseConfig.model_validate({"serving": {"backend": "transformers"}})
     with pytest.raises(StageSkipped, match="serving.backend is 'transformers'"):
         run(hf, {}, tmp_path)
+
+
+def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
+    from drafter.ab_live import cpu_list, cpu_server_env
+    from drafter.config import ServingConfig
+
+    assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    py = tmp_path / "bin" / "python"
+    env = cpu_server_env(py, ServingConfig())
+    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
+    # what the user sets wins; other launchers get nothing
+    assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x"})) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_server_env(py, ServingConfig())
+    assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}

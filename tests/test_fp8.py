@@ -270,3 +270,27 @@ def test_check_dropin_catches_a_wrong_index_and_changed_kept_bytes(tmp_path):
     save_file(ts, str(fp8 / DROPIN_NAME))
     chk = check_dropin(rel, fp8)
     assert not chk["ok"] and any(k in p and "byte-identical" in p for p in chk["problems"])
+
+
+@pytest.mark.parametrize("rule,block", [("ue8m0", (32, 32)), ("float32", (128, 128))])
+def test_compiled_path_gives_the_same_bytes_as_eager(monkeypatch, rule, block):
+    """Large tensors go through torch.compile: bytes and scales must equal the eager ops' (and the
+    reference's), NaN still named."""
+    from drafter.quant import fp8 as F
+    from drafter.quant.reference import quantize_ref
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(256, 384, generator=g) * torch.logspace(-6, 2, 384)).to(torch.bfloat16)
+    q_eager, s_eager = F.quantize(w, block, rule)
+    monkeypatch.setattr(F, "COMPILE_MIN_NUMEL", 1)
+    q, s = F.quantize(w, block, rule)
+    assert not F._compile_broken, F._compile_broken
+    assert torch.equal(q.view(torch.uint8), q_eager.view(torch.uint8))
+    assert torch.equal(s.view(torch.uint8), s_eager.view(torch.uint8))
+    q_ref, s_ref = quantize_ref(w.float().numpy(), block, rule)
+    assert (q.view(torch.uint8).numpy() == q_ref).all()
+    assert torch.equal(F.dequantize(q, s, block), F._dequantize_blocks(q_eager, F.scale_float(s_eager), *block))
+    bad = w.clone()
+    bad[7, 9] = float("nan")
+    with pytest.raises(F.FP8Error, match="big.weight"):
+        F.quantize(bad, block, rule, name="big.weight")

@@ -12,7 +12,7 @@ Two scale rules:
 Both: ``amax`` per block floored at 1e-4; shapes that are not a multiple of the block are padded with
 zeros for the amax only; ``w / s`` clamped to ±448 and rounded to nearest-even into E4M3. NaN/inf in
 the input is an error naming the tensor. Everything is vectorized torch over whole tensors (the
-blocks are a view, no Python loop over blocks).
+blocks are a view, no Python loop over blocks); large tensors use a compiled (fused) version.
 
 Example::
 
@@ -100,6 +100,58 @@ def _check_finite(w: Tensor, name: str) -> None:
         raise FP8Error(f"tensor {name}: {bad} NaN/inf value(s); refusing to quantize")
 
 
+# Large tensors go through a torch.compile'd (inductor: fused, vectorized C++) version of the same ops —
+# on 2 CPU cores a 7168×7168 BF16 quantize+dequantize takes 0.11 s instead of 0.45 s. Below this size
+# the one-off compile (seconds) outweighs the gain; shapes not a multiple of the block use eager ops.
+# Without a working compiler the eager path is used (with a warning), with identical bytes.
+COMPILE_MIN_NUMEL = 1 << 23
+_compiled: dict = {}
+_compile_broken: list[str] = []
+
+
+def _quantize_blocks(w: Tensor, b0: int, b1: int, scale: ScaleRule) -> tuple[Tensor, Tensor, Tensor]:
+    """Divisible shapes: ``(q, stored_scale, amax)``; the ops of :func:`quantize`, written to fuse."""
+    R, C = w.shape
+    x = w.float().view(R // b0, b0, C // b1, b1)
+    amax = x.abs().amax(dim=(1, 3))
+    floored = amax.clamp_min(AMAX_FLOOR)
+    if scale == "float32":
+        s = stored = floored / E4M3_MAX
+    else:  # the e8m0 byte as uint8 (inductor has no e8m0 dtype; the caller views it)
+        e = ue8m0_exponent(floored)
+        s, stored = (e << 23).view(torch.float32), e.to(torch.uint8)
+    y = (x / s.view(R // b0, 1, C // b1, 1)).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).view(R, C), stored, amax
+
+
+def _dequantize_blocks(q: Tensor, sf: Tensor, b0: int, b1: int) -> Tensor:
+    R, C = q.shape
+    return (q.view(R // b0, b0, C // b1, b1).float() * sf.view(R // b0, 1, C // b1, 1)).view(R, C)
+
+
+def _fast(fn, numel: int):
+    """The compiled ``fn`` for tensors of ``numel`` elements, or None (small tensor, or no compiler)."""
+    if numel < COMPILE_MIN_NUMEL or _compile_broken:
+        return None
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False)  # static: fully fused code per shape (after 8 shapes: eager)
+    return _compiled[fn]
+
+
+def _call_fast(fn, numel: int, *args):
+    compiled = _fast(fn, numel)
+    if compiled is None:
+        return fn(*args)
+    try:
+        return compiled(*args)
+    except Exception as e:  # noqa: BLE001 — no C++ compiler, unsupported op: same math, eager
+        import warnings
+
+        _compile_broken.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"torch.compile unavailable for FP8 ({type(e).__name__}); using eager torch ops", stacklevel=3)
+        return fn(*args)
+
+
 def quantize(w: Tensor, block: tuple[int, int] = (32, 32), scale: ScaleRule = "ue8m0", *,
              name: str = "<tensor>") -> tuple[Tensor, Tensor]:
     """Block-quantize a 2-D weight to E4M3. Returns ``(q, s)``: ``q`` float8_e4m3fn ``[R, C]``,
@@ -108,22 +160,26 @@ def quantize(w: Tensor, block: tuple[int, int] = (32, 32), scale: ScaleRule = "u
         raise FP8Error(f"tensor {name}: block FP8 needs a 2-D weight, got shape {tuple(w.shape)}")
     if not w.is_floating_point():
         raise FP8Error(f"tensor {name}: dtype {w.dtype} is not floating point")
+    if scale not in SCALE_DTYPES:
+        raise FP8Error(f"unknown scale rule {scale!r}; use 'ue8m0' or 'float32'")
     block = (int(block[0]), int(block[1]))
+    R, C = w.shape
+    b0, b1 = block
+    if R % b0 == 0 and C % b1 == 0:
+        q, stored, amax = _call_fast(_quantize_blocks, w.numel(), w, b0, b1, scale)
+        if scale == "ue8m0":
+            stored = stored.view(torch.float8_e8m0fnu)
+        if not torch.isfinite(amax).all():  # NaN/inf anywhere gives a NaN/inf block max
+            _check_finite(w.float(), name)
+        return q, stored
     x = w if w.dtype == torch.float32 else w.float()
     amax = block_amax(x, block)
-    if not torch.isfinite(amax).all():  # NaN/inf anywhere gives a NaN/inf block max
+    if not torch.isfinite(amax).all():
         _check_finite(x, name)
     stored, s = scales(amax, scale)
-    R, C = x.shape
-    b0, b1 = block
-    nR, nC = s.shape
-    if R % b0 == 0 and C % b1 == 0:
-        y = x.view(nR, b0, nC, b1) / s.view(nR, 1, nC, 1)
-    else:
-        y = x / s.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]
+    y = x / s.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]
     y.clamp_(-E4M3_MAX, E4M3_MAX)
-    q = y.to(torch.float8_e4m3fn).view(R, C)
-    return q, stored
+    return y.to(torch.float8_e4m3fn), stored
 
 
 def scale_float(s: Tensor) -> Tensor:
@@ -148,5 +204,5 @@ def dequantize(q: Tensor, s: Tensor, block: tuple[int, int] = (32, 32), *, name:
     sf = scale_float(s)
     b0, b1 = block
     if R % b0 == 0 and C % b1 == 0:
-        return (q.view(want[0], b0, want[1], b1).float() * sf.view(want[0], 1, want[1], 1)).view(R, C)
+        return _call_fast(_dequantize_blocks, q.numel(), q, sf, b0, b1)
     return q.float() * sf.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]

@@ -151,7 +151,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "verify.md").write_text(render_md(doc))
     t = report.totals
-    return {"blocks_identical": t["identical"], "blocks_edge": t["edge"], "blocks_differ": t["differ"],
+    return {"rule": f"{release.rule} {release.block[0]}x{release.block[1]}", "blocks_identical": t["identical"], "blocks_edge": t["edge"], "blocks_differ": t["differ"],
             "blocks_total": t["total"], "fp8_tensors": len(report.tensors), "dropin_keys_ok": doc["dropin"]["ok"],
             "vllm_load": doc["vllm_load"]}
 
