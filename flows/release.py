@@ -56,7 +56,9 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
     for p in planned:
         name = p.stage.name
         task = for_stage(name, cfg).with_options(refresh_cache=not present[name])
-        futures[name] = task.submit(cfg, name, wait_for=[futures[i] for i in p.stage.inputs if i in futures])
+        # one stage at a time, in pipeline order: stages share the machine's cores, and eval_offline /
+        # ab_live measure speed, which a concurrently running stage would distort
+        futures[name] = task.submit(cfg, name, wait_for=list(futures.values()))
     results: list[StageResult] = []
     error = None
     for p in planned:

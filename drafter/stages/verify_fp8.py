@@ -84,8 +84,11 @@ def vllm_load(cfg: ReleaseConfig, release: FP8Release, target: Path, fp8_dir: Pa
                                                       for k in json.loads((target / "model.safetensors.index.json")
                                                                           .read_text())["weight_map"]))
     log = out / "vllm.log"
+    serving = cfg.serving
+    if serving.dtype == "float32":  # vLLM's fp8 method computes in bfloat16/float16 only
+        serving = serving.model_copy(update={"dtype": "bfloat16"})
     try:
-        with serve(served, cfg.serving, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        with serve(served, serving, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                    log_path=log) as srv:
             r = httpx.post(f"{srv.base_url}/v1/completions", json={"model": srv.model, "prompt": "The capital of France is",
                            "max_tokens": 8, "temperature": 0}, timeout=cfg.serving.startup_timeout_s)
