@@ -16,8 +16,17 @@ from typing import Any
 LABELS = {"none": "no speculation", "baseline": "released", "candidate": "fine-tuned"}
 
 
+def _skipped(stage: dict) -> bool:
+    """Skipped now, or reused from an earlier run that skipped it (the reason stays recorded)."""
+    return stage["status"] == "skipped" or (stage["status"] == "reused" and bool(stage.get("reason")))
+
+
+def _done(stage: dict | None) -> bool:
+    return bool(stage) and stage["status"] in ("computed", "reused") and not _skipped(stage)
+
+
 def _json(stage: dict | None, name: str) -> dict | None:
-    if not stage or stage.get("status") not in ("computed", "reused"):
+    if not _done(stage):
         return None
     p = Path(stage["path"]) / name
     return json.loads(p.read_text()) if p.is_file() else None
@@ -63,22 +72,22 @@ def _quant_lines(st: dict) -> list[str]:
     """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
     out = []
     q, v, e = st.get("quantize_fp8"), st.get("verify_fp8"), st.get("quantize_exl3")
-    if v and v["status"] == "skipped":
+    if v and _skipped(v):
         out.append(f"**FP8**: not produced — {v.get('reason')}\n")
-    elif v and v["status"] in ("computed", "reused"):
+    elif _done(v):
         m = v["metrics"]
         out.append(f"**FP8 self-check** of the release ({m.get('rule', '')}): {m.get('blocks_identical')} blocks "
                    f"byte-identical, {m.get('blocks_edge')} rounding-edge, {m.get('blocks_differ')} differ "
                    f"(of {m.get('blocks_total')}); drop-in keys/index/untouched bytes "
                    f"{'ok' if m.get('dropin_keys_ok') else 'FAILED'}; vLLM load: {m.get('vllm_load')}\n")
-    if q and q["status"] in ("computed", "reused"):
+    if _done(q):
         m = q["metrics"]
         out.append(f"**FP8 drop-in**: {m.get('tensors')} tensors ({m.get('fp8_tensors')} re-quantized, "
                    f"{m.get('kept_tensors')} kept as the release's bytes); largest relative FP8 error "
                    f"{m.get('max_fp8_rel_error'):.4f} ({m.get('max_fp8_rel_error_tensor')})\n")
-    if e and e["status"] == "skipped":
+    if e and _skipped(e):
         out.append(f"**EXL3**: not produced — {e.get('reason')}\n")
-    elif e and e["status"] in ("computed", "reused"):
+    elif _done(e):
         out.append(f"**EXL3**: produced ({e['path']}/exl3)\n")
     return out
 

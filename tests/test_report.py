@@ -19,7 +19,8 @@ def test_report_rows_numbers_and_skips(tmp_path):
         {"stage": "verify_fp8", "status": "computed", "path": str(tmp_path / "v"),
          "metrics": {"rule": "float32 128x128", "blocks_identical": 610, "blocks_edge": 0, "blocks_differ": 0,
                      "blocks_total": 610, "dropin_keys_ok": True, "vllm_load": "unsupported: needs AMX"}},
-        {"stage": "quantize_exl3", "status": "skipped", "path": "", "reason": "needs CUDA: no CUDA device", "metrics": {}},
+        # reused from an earlier run that skipped it: still reported as not produced
+        {"stage": "quantize_exl3", "status": "reused", "path": "", "reason": "needs CUDA: no CUDA device", "metrics": {}},
         {"stage": "ab_live", "status": "computed", "path": str(tmp_path / "ab"), "metrics": {}},
     ]}
     text = release_report(summary)
