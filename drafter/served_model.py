@@ -4,8 +4,7 @@ vLLM serves a drafter only as part of a model directory (config, tokenizer, shar
 a drafter other than the one inside the target checkpoint — the fine-tuned one, or the FP8 drop-in
 — :func:`drafter_model_dir` builds a directory next to nothing else: every file of the target is
 linked (no copy), the drafter file is linked under a shard name that sorts after the target's
-shards (vLLM reads shards in name order, so the drafter file decides keys loaded twice, such as the
-MTP layer's output head), and the index is a copy of the target's with every drafter key pointed at
+shards (vLLM reads shards in name order, so the drafter file decides any key loaded twice), and the index is a copy of the target's with every drafter key pointed at
 the drafter file. A target shard that held drafter keys is left out when all of its keys are
 replaced, or rewritten without them otherwise, so no stale copy of a drafter tensor is loaded.
 

