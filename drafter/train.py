@@ -229,11 +229,16 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(steps, [h["loss"] for h in history])
     axes[0].set(title="training loss", xlabel="step")
-    ks = sorted({int(k.split("_")[1]) for h in history for k in h if k.startswith("alpha_")})
+    # α per position for distribution losses; for CE (no target distribution) the top-1 accuracy
+    key, what = ("alpha", "α per draft position (train, T=1 probabilistic)")
+    if not any(k.startswith("alpha_") for h in history for k in h):
+        key, what = ("accuracy", "top-1 accuracy per draft position (train)")
+    ks = sorted({int(k.split("_")[1]) for h in history for k in h if k.startswith(f"{key}_")})
     for k in ks:
-        axes[1].plot(steps, [h.get(f"alpha_{k}", float("nan")) for h in history], label=f"position {k}")
-    axes[1].set(title="α per draft position (train, T=1 probabilistic)", xlabel="step", ylim=(0, 1))
-    axes[1].legend()
+        axes[1].plot(steps, [h.get(f"{key}_{k}", float("nan")) for h in history], label=f"position {k}")
+    axes[1].set(title=what, xlabel="step", ylim=(0, 1))
+    if ks:
+        axes[1].legend()
     ev = [h for h in history if "eval" in h]
     for rule, label in (("t0", "T=0"), ("t1_greedy", "T=1 greedy drafts")):
         axes[2].plot([h["step"] for h in ev], [h["eval"][rule]["tau"] for h in ev], marker="o", label=label)

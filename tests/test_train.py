@@ -166,3 +166,22 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     init = EmbeddedGlm4MoeLayout().to_release(load_drafter(tiny_target, EmbeddedGlm4MoeLayout()))
     eh = next(k for k in a if k.endswith("eh_proj.weight"))
     assert (a[eh] - init[eh]).abs().max() > 1e-3  # training moved the weights: the match is not trivial
+
+
+def test_curves_plot_accuracy_for_ce_and_alpha_for_distribution_losses(tmp_path):
+    """The middle panel shows what the loss logs: α per position (distribution losses) or top-1
+    accuracy (CE, as the bootstrap trains) — never an empty panel."""
+    import warnings
+
+    from drafter.train import plot_curves
+
+    ce_hist = [{"step": s, "loss": 3.0 / s, "accuracy_1": 0.1 * s} for s in range(1, 6)]
+    ce_hist[-1]["eval"] = {"t0": {"tau": 1.4}, "t1_greedy": {"tau": 1.3}}
+    lk_hist = [{"step": s, "loss": 2.0 / s, "alpha_1": 0.1 * s, "alpha_2": 0.05 * s} for s in range(1, 6)]
+    lk_hist[-1]["eval"] = {"t0": {"tau": 1.6}, "t1_greedy": {"tau": 1.5}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. matplotlib's "No artists with labels found"
+        for name, hist in (("ce.png", ce_hist), ("lk.png", lk_hist)):
+            path = plot_curves(hist, tmp_path / name, name)
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ce.png", "lk.png"]  # no temporary left behind
