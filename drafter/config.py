@@ -299,8 +299,9 @@ class AbLiveConfig(Section):
 
     method: str = Field("mtp", description="vLLM `speculative_config.method`.")
     num_speculative_tokens: int = Field(
-        2, ge=1, le=16, description="Draft tokens per step (K). 2 on the CPU demo: there a draft step costs 13–20% "
-        "of a target step and K=4 ran slower than no speculation; use eval_offline's recommended_k on real hardware.")
+        2, ge=1, le=16, description="Draft tokens per step (K). 2 on the CPU demo: there a draft step costs ~0.2 "
+        "of a target step and K=2 was fastest (K=4 ran slower than no speculation); use eval_offline's recommended_k "
+        "on real hardware.")
     draft_sample_methods: list[Literal["greedy", "probabilistic"]] = Field(
         default_factory=lambda: ["greedy"], description="Draft sampling methods to run where the engine supports them "
         "(unsupported ones are reported as such).")
