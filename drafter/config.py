@@ -310,8 +310,9 @@ class AbLiveConfig(Section):
     num_turns: int = Field(8, ge=1, description="Held-out multi-turn agent turns replayed per measurement (≥ the largest "
                            "concurrency, so every user has a request in flight).")
     rounds: int = Field(2, ge=1, description="Interleaved rounds: A B A B … (each round runs every drafter once).")
-    max_tokens: int = Field(40, ge=1, description="Max new tokens per replayed turn (40 keeps the demo's 6 CPU servers "
-                            "within ~6 minutes).")
+    max_tokens: int = Field(40, ge=1, description="Max new tokens per replayed turn. Short turns make the prompt's "
+                            "prefill (not sped up by speculation) a larger share of each request; the demo replays at "
+                            "generate.max_tokens (128).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
