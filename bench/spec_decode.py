@@ -137,15 +137,21 @@ def main() -> None:
     print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
           f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
           f"T=0, float32\n")
-    print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s |")
-    print("|-----------------|---|--------|---------|--------|-------|---------------|")
+    print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s | TTFT s | decode tok/s |")
+    print("|-----------------|---|--------|---------|--------|-------|---------------|--------|--------------|")
     for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):
         t = "—" if r["tau"] is None else f"{r['tau']:.3f}"
+        srv = r.get("server") or {}
+        ttft = "—" if srv.get("ttft_mean_s") is None else f"{srv['ttft_mean_s']:.3f}"
+        dec = "—" if srv.get("decode_tok_s") is None else f"{srv['decode_tok_s']:.2f}"
         print(f"| {name:<15} | {k} | {r['output_tokens']:>6} | {r['seconds']:>7.1f} | {r['tok_s']:>6.2f} | {t:<5} | "
-              f"{r['latency_s']['p50']:>13.2f} |")
+              f"{r['latency_s']['p50']:>13.2f} | {ttft:>6} | {dec:>12} |")
     acc = [round(a / mtp["num_drafts"], 3) for a in mtp["accepted_per_pos"]] if mtp["num_drafts"] else []
     print(f"\nacceptance per draft position: {acc}")
     print(f"ratio mtp / no speculation: {ratio:.2f}x")
+    dec_b, dec_m = (base.get("server") or {}).get("decode_tok_s"), (mtp.get("server") or {}).get("decode_tok_s")
+    if dec_b and dec_m:
+        print(f"decode only (vLLM's request histograms, prefill excluded): {dec_m / dec_b:.2f}x")
     print(f"figure to beat τ / (1 + K·draft_cost) = {tau:.3f} / (1 + {args.k}·{draft_cost:.3f}) = {bound:.2f}x "
           f"(draft_cost {source}); achieved {ratio / bound:.0%} of it")
     if args.json:

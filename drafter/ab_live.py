@@ -10,7 +10,10 @@ the same order (A B A B …), so slow drift of the machine hits every drafter al
 * **Measurement** (:func:`measure`): the turns are sent through :class:`drafter.generate.OpenAIChatBackend`
   with ``concurrency`` in flight; output tok/s = completion tokens / wall time, per-request latency,
   and the delta of vLLM's ``vllm:spec_decode_*`` counters over the run (:func:`counters_delta`):
-  τ = 1 + accepted / drafts and accepted tokens per draft position.
+  τ = 1 + accepted / drafts and accepted tokens per draft position; from vLLM's request histograms
+  (:func:`timing_delta`) the mean time to first token and the decode speed a user sees with the
+  prompt's prefill excluded — speculation speeds up decoding only, so a replay of long prompts and
+  short answers shows a smaller end-to-end gain than its decode speedup.
 * **Lossless** (:func:`lossless_check`): at T=0 the token ids with speculation must equal those
   without it.
 * **Draft sampling** (:func:`engine_draft_sample_methods`): which ``draft_sample_method`` values the
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from drafter.errors import StageError
 from drafter.generate import OpenAIChatBackend, RequestError, Sampling, request_seed
-from drafter.serving import SPEC_COUNTERS
+from drafter.serving import SPEC_COUNTERS, request_timing, spec_decode_counters
 
 if TYPE_CHECKING:
     from drafter.config import AbLiveConfig, ServingConfig
@@ -259,6 +262,27 @@ def counters_delta(before: dict, after: dict, k: int | None = None) -> dict:
     return d
 
 
+def timing_delta(before: dict, after: dict) -> dict:
+    """Server-side timing of one measurement from two :func:`drafter.serving.request_timing` readings.
+
+    ``requests`` (finished, from the decode histogram's count), ``ttft_mean_s`` (mean time to first
+    token), ``prefill_s`` and ``decode_s`` (summed over requests), ``prompt_tokens`` and
+    ``decode_tok_s`` = (generation tokens − requests) / decode seconds: the speed of the tokens after
+    the first, prefill excluded, per user. Values the engine does not export are None.
+    """
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = int(round(d.get("decode_count", 0)))
+    after_first = d.get("generation_tokens", 0) - n
+    return {
+        "requests": n,
+        "ttft_mean_s": round(d["ttft_sum"] / d["ttft_count"], 4) if d.get("ttft_count") else None,
+        "prefill_s": round(d["prefill_sum"], 3) if d.get("prefill_count") else None,
+        "decode_s": round(d["decode_sum"], 3) if n else None,
+        "prompt_tokens": int(round(d.get("prompt_tokens", 0))),
+        "decode_tok_s": round(after_first / d["decode_sum"], 3) if n and d.get("decode_sum", 0) > 0 and after_first > 0 else None,
+    }
+
+
 # --------------------------------------------------------------------------- one measurement
 
 
@@ -301,8 +325,9 @@ def measure(server: "Server", turns: list[ReplayTurn], *, concurrency: int, max_
     """Replay ``turns`` against ``server`` with ``concurrency`` requests in flight.
 
     Returns ``requests``, ``output_tokens``, ``seconds`` (wall), ``tok_s``, ``latency_s``
-    (mean/p50/p90 per request), the spec-decode counter delta (:func:`counters_delta`) and
-    ``token_ids`` (per turn, for the lossless check). A failed request raises :class:`StageError`:
+    (mean/p50/p90 per request), the spec-decode counter delta (:func:`counters_delta`), the
+    server-side timing (``server``: :func:`timing_delta`) and ``token_ids`` (per turn, for the
+    lossless check). A failed request raises :class:`StageError`:
     a timed benchmark does not retry.
     """
     if not turns:
@@ -311,17 +336,20 @@ def measure(server: "Server", turns: list[ReplayTurn], *, concurrency: int, max_
                                 engine_version=server.engine_version or "", timeout_s=timeout_s,
                                 max_connections=max(concurrency, 1))
     sampling = Sampling(temperature=temperature, top_p=1.0, max_tokens=max_tokens)
-    before = server.spec_decode_counters()
+    text = server.metrics_text()
+    before, timing_before = spec_decode_counters(text), request_timing(text)
     t0 = time.monotonic()
     results = asyncio.run(_replay(backend, turns, concurrency, sampling, seed, on_done))
     seconds = time.monotonic() - t0
-    after = server.spec_decode_counters()
+    text = server.metrics_text()
+    after, timing_after = spec_decode_counters(text), request_timing(text)
     tokens = sum(n for _, n, _ in results)
     return {
         "concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "seconds": round(seconds, 3),
         "tok_s": round(tokens / seconds, 3) if seconds > 0 else None,
         "latency_s": _latency_stats([dt for _, _, dt in results]),
         **counters_delta(before, after, k),
+        "server": timing_delta(timing_before, timing_after),
         "token_ids": [ids for ids, _, _ in results],
     }
 
@@ -364,11 +392,15 @@ def summarize(runs: list[dict]) -> dict:
         k = max((len(r["accepted_per_pos"]) for r in rs), default=0)
         acc = [sum(r["accepted_per_pos"][p] for r in rs if p < len(r["accepted_per_pos"])) for p in range(k)]
         p50s = [r["latency_s"]["p50"] for r in rs if r["latency_s"]["p50"] is not None]
+        ttfts = [r["server"]["ttft_mean_s"] for r in rs if (r.get("server") or {}).get("ttft_mean_s") is not None]
+        dec = [r["server"]["decode_tok_s"] for r in rs if (r.get("server") or {}).get("decode_tok_s") is not None]
         out[key] = {
             "tau": round(statistics.fmean(taus), 4) if taus else None,
             "tok_s": round(statistics.fmean(r["tok_s"] for r in rs), 3),
             "latency_p50_s": round(statistics.fmean(p50s), 4) if p50s else None,
             "accept_rate_per_pos": [round(a / drafts, 4) for a in acc] if drafts else [],
+            "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
+            "decode_tok_s": round(statistics.fmean(dec), 3) if dec else None,
             "rounds": len(rs),
         }
     return out
@@ -382,13 +414,18 @@ def flat_metrics(result: dict, concurrency: list[int], methods: list[str]) -> di
     out: dict = {}
     for d in ("baseline", "candidate"):
         out[f"tau_live_{d}"] = s.get(run_key(d, m, c1), {}).get("tau")
-    for c in concurrency:
-        ref = s.get(run_key("none", None, c), {}).get("tok_s")
-        out[f"tok_s_c{c}_none"] = ref
+
+    def speeds(field: str, c: int, prefix: str) -> None:  # <prefix>tok_s_c<c>_<drafter>, <prefix>speedup_c<c>_<drafter>
+        ref = s.get(run_key("none", None, c), {}).get(field)
+        out[f"{prefix}tok_s_c{c}_none"] = ref
         for d in ("baseline", "candidate"):
-            x = s.get(run_key(d, m, c), {}).get("tok_s")
-            out[f"tok_s_c{c}_{d}"] = x
-            out[f"speedup_c{c}_{d}"] = round(x / ref, 4) if x and ref else None
+            x = s.get(run_key(d, m, c), {}).get(field)
+            out[f"{prefix}tok_s_c{c}_{d}"] = x
+            out[f"{prefix}speedup_c{c}_{d}"] = round(x / ref, 4) if x and ref else None
+
+    for c in concurrency:
+        speeds("tok_s", c, "")
+    speeds("decode_tok_s", c1, "decode_")  # server side, prefill excluded
     lossless = result.get("lossless") or {}
     out["lossless_ok"] = lossless.get("ok")
     out["lossless_identical"] = lossless.get("identical")
@@ -420,6 +457,20 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
             cells += [_f(e.get("tok_s"), ".1f"), _f(sp, ".2f") + ("×" if sp is not None else ""),
                       _f(e.get("latency_p50_s"), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(e.get("decode_tok_s") for e in s.values()):
+        head = ["drafter", "draft sampling"]
+        for c in concurrency:
+            head += [f"TTFT c{c} (s)", f"decode tok/s per user c{c}", f"decode speedup c{c}"]
+        lines += ["", "Server side (vLLM's request histograms; decode = the tokens after the first, prefill excluded):", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for d, m in rows:
+            cells = [d, "—" if m == "none" else m]
+            for c in concurrency:
+                e, ref = s.get(f"{d}/{m}/c{c}", {}), s.get(f"none/none/c{c}", {})
+                sp = e["decode_tok_s"] / ref["decode_tok_s"] if e.get("decode_tok_s") and ref.get("decode_tok_s") else None
+                cells += [_f(e.get("ttft_mean_s"), ".3f"), _f(e.get("decode_tok_s"), ".1f"),
+                          _f(sp, ".2f") + ("×" if sp is not None else "")]
+            lines.append("| " + " | ".join(cells) + " |")
     rounds = max((e["rounds"] for e in s.values()), default=0)
     lines.append("")
     lines.append(f"K = {result['num_speculative_tokens']} ({result['method']}), temperature {result['temperature']:g}, "

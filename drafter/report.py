@@ -68,6 +68,25 @@ def acceptance_table(ab: dict, ev: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_line(ab: dict) -> str | None:
+    """Decode speed at the smallest concurrency from vLLM's request histograms (prefill excluded), per
+    drafter with its ratio to no speculation, and the mean time to first token; None without them."""
+    summ = ab["summary"]
+    c = min(r["concurrency"] for r in ab["runs"])
+    ref = (summ.get(f"none/none/c{c}") or {}).get("decode_tok_s")
+    if not ref:
+        return None
+    cells = [f"no speculation {ref:.1f} tok/s"]
+    for d in ("baseline", "candidate"):
+        x = (summ.get(f"{d}/greedy/c{c}") or {}).get("decode_tok_s")
+        if x:
+            cells.append(f"{LABELS[d]} {x:.1f} ({x / ref:.2f}×)")
+    ttft = (summ.get(f"none/none/c{c}") or {}).get("ttft_mean_s")
+    users = f"{c} user{'s' if c > 1 else ''}"
+    return (f"Decode only at {users} (vLLM's request histograms, the prompt's prefill excluded): " + "; ".join(cells)
+            + (f"; mean time to first token {ttft:.2f} s" if ttft is not None else "") + ".\n")
+
+
 def _quant_lines(st: dict) -> list[str]:
     """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
     out = []
@@ -104,6 +123,9 @@ def release_report(summary: dict) -> str:
         if ll:
             parts.append(f"Lossless at T=0: {ll.get('identical')}/{ll.get('prompts')} prompts identical with and "
                          f"without speculation ({'ok' if ll.get('ok') else 'FAILED'}).\n")
+        decode = decode_line(ab)
+        if decode:
+            parts.append(decode)
     if ev:
         rk = ev.get("recommended_k", {})
         parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "

@@ -370,6 +370,34 @@ def spec_decode_counters(metrics_text: str) -> dict:
     return out
 
 
+# vLLM's per-request histograms (seconds) and token counters read by :func:`request_timing`
+REQUEST_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                      "decode": "vllm:request_decode_time_seconds"}
+REQUEST_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "generation_tokens": "vllm:generation_tokens_total"}
+
+
+def request_timing(metrics_text: str) -> dict:
+    """Server-side request timing from Prometheus text, summed over label sets.
+
+    Returns ``{"ttft_sum", "ttft_count", "prefill_sum", "prefill_count", "decode_sum", "decode_count",
+    "prompt_tokens", "generation_tokens"}`` (floats, 0 where the engine does not export the series):
+    ``_sum``/``_count`` of vLLM's time-to-first-token, prefill-time and decode-time histograms and the
+    prompt / generation token counters. Decode time is first to last output token of a request, so
+    (generation tokens − requests) / decode time is the decode speed a user sees, prefill excluded.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {f"{k}_{p}": 0.0 for k in REQUEST_HISTOGRAMS for p in ("sum", "count")} | {k: 0.0 for k in REQUEST_COUNTERS}
+    by_name = {f"{v}_{p}": f"{k}_{p}" for k, v in REQUEST_HISTOGRAMS.items() for p in ("sum", "count")}
+    by_name |= {v: k for k, v in REQUEST_COUNTERS.items()}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            key = by_name.get(s.name)
+            if key is not None:
+                out[key] += s.value
+    return out
+
+
 if __name__ == "__main__":  # python -m drafter.serving MODEL_DIR  — serve until Ctrl-C
     cfg = ServingConfig()
     with serve(Path(sys.argv[1]), cfg, log_path=Path("vllm.log")) as srv:

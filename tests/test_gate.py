@@ -38,7 +38,8 @@ def ab_live(tau_base=1.60, tau_cand=1.72, tok={1: (40.0, 52.0, 55.0), 8: (150.0,
             runs += rr
             summary[f"{d}/{method or 'none'}/c{c}"] = {
                 "tau": tau, "tok_s": sum(x["tok_s"] for x in rr) / 2, "latency_p50_s": 7.5,
-                "accept_rate_per_pos": [] if tau is None else [0.6, 0.55, 0.5, 0.45], "rounds": 2}
+                "accept_rate_per_pos": [] if tau is None else [0.6, 0.55, 0.5, 0.45],
+                "ttft_mean_s": 0.3, "decode_tok_s": ts * 1.25, "rounds": 2}
     mism = [] if lossless_ok else [{"prompt": 3, "first_diff_token": 17}]
     return {"num_speculative_tokens": 4, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
             "runs": runs, "summary": summary,

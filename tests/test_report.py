@@ -33,3 +33,11 @@ def test_report_rows_numbers_and_skips(tmp_path):
     assert rows["no speculation"].strip("| ").split(" | ")[5] == "1.00×"
     assert "610 blocks byte-identical" in text and "0 differ (of 610)" in text and "0.0264" in text
     assert "EXL3**: not produced — needs CUDA" in text and "8/8 prompts identical" in text
+    # decode speed without the prefill, from vLLM's histograms: 50, 65, 68.75 tok/s at 1 user
+    assert ("Decode only at 1 user (vLLM's request histograms, the prompt's prefill excluded): no speculation "
+            "50.0 tok/s; released 65.0 (1.30×); fine-tuned 68.8 (1.38×); mean time to first token 0.30 s.") in text
+    # an ab_live.json without server timing (older outputs) has no such line
+    for e in ab["summary"].values():
+        e.pop("decode_tok_s")
+    write_json_atomic(tmp_path / "ab" / "ab_live.json", ab)
+    assert "Decode only" not in release_report(summary)
