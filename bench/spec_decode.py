@@ -14,6 +14,7 @@ Run::
     .venv/bin/python bench/spec_decode.py                  # the demo store (make demo): target + fine-tuned drafter
     .venv/bin/python bench/spec_decode.py --run 20261129T201630Z-8d41ef   # a given run of the store
     .venv/bin/python bench/spec_decode.py --k 2 --concurrency 1 --num-turns 8 --max-tokens 64
+    .venv/bin/python bench/spec_decode.py --num-turns 16 --max-tokens 128 --server-arg=--block-size --server-arg=32
     .venv/bin/python bench/spec_decode.py --target DIR --drafter mtp-trained.safetensors --eval-offline store/eval_offline/KEY
 """
 from __future__ import annotations
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--num-turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra vLLM server argument for both servers (repeat; e.g. --server-arg=--block-size --server-arg=32)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -109,7 +112,7 @@ def main() -> None:
         drafter_file = args.drafter or drafter_file
     turns = prompts(gen_dir, args.num_turns)
     py = serving_python()
-    serving = ServingConfig(dtype="float32")
+    serving = ServingConfig(dtype="float32", extra_args=args.server_arg)
     serving = serving.model_copy(update={"env": cpu_server_env(py, serving)})
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
@@ -136,7 +139,7 @@ def main() -> None:
     bound = tau / (1 + args.k * draft_cost)
     print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
           f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"T=0, float32\n")
+          f"T=0, float32{', server args ' + ' '.join(args.server_arg) if args.server_arg else ''}\n")
     print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s | TTFT s | decode tok/s |")
     print("|-----------------|---|--------|---------|--------|-------|---------------|--------|--------------|")
     for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):

@@ -474,7 +474,8 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
     rounds = max((e["rounds"] for e in s.values()), default=0)
     lines.append("")
     lines.append(f"K = {result['num_speculative_tokens']} ({result['method']}), temperature {result['temperature']:g}, "
-                 f"vLLM {result.get('engine_version')}, {rounds} round(s) interleaved; τ and tok/s are means over rounds.")
+                 f"vLLM {result.get('engine_version')}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
+                 + (f" Every server ran with `{' '.join(result['server_args'])}`." if result.get("server_args") else ""))
     ll = result.get("lossless")
     if ll:
         verdict = "identical" if ll["ok"] else "DIFFERENT"

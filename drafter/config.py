@@ -316,6 +316,19 @@ class AbLiveConfig(Section):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+    server_args: list[str] = Field(
+        default_factory=list, description="Extra vLLM server arguments of every A/B server (after `serving.extra_args`; "
+        "the same for all of them), e.g. `[--block-size, \"32\"]`. Unlike `serving`, they do not re-key the generate stage.")
+
+    @field_validator("server_args")
+    @classmethod
+    def _server_args_not_owned(cls, v: list[str]) -> list[str]:
+        owned = ("--model", "--host", "--port", "--served-model-name", "--speculative-config", "--speculative_config")
+        bad = [a for a in v if a.split("=", 1)[0] in owned]
+        if bad:
+            raise ValueError(f"{bad}: the A/B sets these itself per server (the speculative config from method / "
+                             "num_speculative_tokens / draft_sample_methods)")
+        return v
 
     @field_validator("concurrency")
     @classmethod

@@ -166,6 +166,8 @@ def test_summary_means_over_rounds_flat_metrics_and_table():
     assert lines[2].startswith("| none | — | — | 7.5 | 1.00× |")
     assert lines[4] == "| candidate | greedy | 1.900 | 10.5 | 1.40× | 1.00 | 84.0 | 2.80× | 1.00 |"
     assert "4/4 prompts identical" in table and "`probabilistic`: why not" in table
+    assert "Every server ran with" not in table
+    assert "Every server ran with `--block-size 32`." in ab_table(dict(result, server_args=["--block-size", "32"]), [1, 8])
     assert "| candidate | greedy | 0.600 | 40.0 | 2.00× | 0.600 | 40.0 | 2.00× |" in lines
     assert "| none | — | 0.500 | 20.0 | 1.00× | 0.500 | 20.0 | 1.00× |" in lines
     # results without server timing (older outputs) leave the server table out
@@ -251,7 +253,8 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     cfg = ReleaseConfig.model_validate({
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
         "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
-                    "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"]},
+                    "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"],
+                    "server_args": ["--block-size", "32"]},
     })
     out = tmp_path / "out"
     out.mkdir()
@@ -295,6 +298,10 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     logs = sorted(p.name for p in (out / "logs").iterdir())
     assert logs == ["server-r1-baseline-greedy.log", "server-r1-candidate-greedy.log", "server-r1-none.log"]
     assert "Glm4MoeMTP" in (out / "logs" / "server-r1-candidate-greedy.log").read_text()
+    # ab_live.server_args reach every server of the A/B (and are recorded)
+    assert res["server_args"] == ["--block-size", "32"]
+    for log in logs:
+        assert "'block_size': 32" in (out / "logs" / log).read_text(), log
     assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
     assert "| candidate | greedy | 1.000 |" in (out / "ab_live.md").read_text()
 

@@ -74,3 +74,20 @@ def test_every_field_has_a_description():
     walk(ReleaseConfig)
     schema = ReleaseConfig.model_json_schema()
     assert "generate" in schema["properties"]
+
+
+def test_ab_live_server_args_are_checked_and_key_only_the_ab(tmp_path):
+    from drafter.stage import stage_key
+    from drafter.stages import ab_live, generate
+
+    with pytest.raises(ConfigError, match=r"ab_live\.server_args.*--speculative-config"):
+        load_config(write(tmp_path, {"ab_live": {"server_args": ["--speculative-config", "{}"]}}))
+    with pytest.raises(ConfigError, match=r"ab_live\.server_args.*--port=8000"):
+        load_config(write(tmp_path, {"ab_live": {"server_args": ["--port=8000"]}}))
+    a = load_config(write(tmp_path, {}))
+    b = load_config(write(tmp_path, {}), overrides=['ab_live.server_args=["--block-size", "32"]'])
+    assert b.ab_live.server_args == ["--block-size", "32"]
+    keys = {"prepare_target": "p", "generate": "g", "bootstrap_drafter": "b", "train": "t"}
+    # a server setting of the A/B re-measures the A/B, but does not regenerate the data
+    assert stage_key(generate.STAGE, a, keys) == stage_key(generate.STAGE, b, keys)
+    assert stage_key(ab_live.STAGE, a, keys) != stage_key(ab_live.STAGE, b, keys)

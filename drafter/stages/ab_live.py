@@ -5,12 +5,12 @@ drafter (``bootstrap_drafter``: its ``mtp-trained.safetensors``, or — bootstra
 layer inside the target checkpoint) and the fine-tuned one (``train``).
 Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
 ``baseline``, ``candidate`` (one per supported draft sampling method), same server build and
-settings, ``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn
+settings (``serving`` plus ``ab_live.server_args``), ``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn
 agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.ab_live`): output tok/s, latency per
 request, and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's
 ``none`` and ``candidate`` servers also give the lossless check: identical token ids at T=0.
 Writes: ``ab_live.json`` (every run, means over rounds, lossless check, unsupported draft sampling
-methods), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
+methods, the servers' extra arguments), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
 Reports: ``tau_live_baseline``, ``tau_live_candidate``, ``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>``,
 ``lossless_ok``.
 """
@@ -88,6 +88,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
+    if c.server_args:
+        serving = serving.model_copy(update={"extra_args": [*serving.extra_args, *c.server_args]})
     servers = _servers(methods)
     lossless_method = methods[0]
     c_lossless = min(c.concurrency)
@@ -136,7 +138,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "unsupported": unsupported,
         "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
                    "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes},
-        "servers": server_info,
+        "servers": server_info, "server_args": list(serving.extra_args),
         "seconds": round(time.monotonic() - t_start, 1),
     }
     write_json_atomic(out / "ab_live.json", result)
