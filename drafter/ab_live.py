@@ -241,6 +241,13 @@ def cpu_server_env(python: str | Path, serving: "ServingConfig") -> dict[str, st
     return env
 
 
+def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None) -> "ServingConfig":
+    """The settings every server of an A/B runs with: ``serving`` plus ``server_args`` (``ab_live.server_args``)
+    and, for a vLLM CPU subprocess started from ``python``, :func:`cpu_server_env`."""
+    env = serving.env | (cpu_server_env(python, serving) if python is not None else {})
+    return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "env": env})
+
+
 # --------------------------------------------------------------------------- counters
 
 

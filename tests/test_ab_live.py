@@ -20,7 +20,7 @@ from drafter.ab_live import (
     summarize,
     timing_delta,
 )
-from drafter.config import AbLiveConfig, ReleaseConfig
+from drafter.config import AbLiveConfig, ReleaseConfig, ServingConfig
 from drafter.errors import StageError
 from drafter.serving import request_timing, spec_decode_counters
 
@@ -335,3 +335,18 @@ def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_server_env(py, ServingConfig())
     assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}
+
+
+def test_ab_serving_appends_server_args_and_the_cpu_env(tmp_path, monkeypatch):
+    from drafter.ab_live import ab_serving
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    py = tmp_path / "env" / "bin" / "python"
+    base = ServingConfig(extra_args=["--seed", "1"], env={"A": "1"})
+    s = ab_serving(base, ["--block-size", "32"], py)
+    assert s.extra_args == ["--seed", "1", "--block-size", "32"]
+    assert s.env == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert base.extra_args == ["--seed", "1"]  # the config itself is left as it was
+    # no local serving env (docker): the arguments only
+    assert ab_serving(base, ["--block-size", "32"], None).env == {"A": "1"}

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from drafter.ab_live import (
     ReplayTurn,
+    ab_serving,
     ab_table,
-    cpu_server_env,
     engine_draft_sample_methods,
     flat_metrics,
     lossless_check,
@@ -77,19 +77,17 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     for n in notes:
         log.warning("ab_live: %s", n)
 
-    if serving.launcher == "subprocess":
-        py = serving_python(serving)
+    py = serving_python(serving) if serving.launcher == "subprocess" else None
+    if py is not None:
         version = engine_version(py)
         methods_ok, why = engine_draft_sample_methods(py)
-        serving = serving.model_copy(update={"env": serving.env | cpu_server_env(py, serving)})
     else:  # docker: the engine is not in a local env to read; only greedy (every engine's default) is assumed
         version, methods_ok, why = None, None, f"serving.launcher={serving.launcher}: the engine's source is not local"
+    serving = ab_serving(serving, c.server_args, py)
     methods, unsupported = plan_draft_methods(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
-    if c.server_args:
-        serving = serving.model_copy(update={"extra_args": [*serving.extra_args, *c.server_args]})
     servers = _servers(methods)
     lossless_method = methods[0]
     c_lossless = min(c.concurrency)
