@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from drafter import procs
 from drafter.config import TrainConfig
 from drafter.data import write_json_atomic
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
@@ -78,7 +78,11 @@ def _launch_torchrun(model_dir: Path, capture, cfg: TrainConfig, out: Path, weig
            "--config-json", cfg.model_dump_json(), "--out", str(out), "--title", title]
     if weights is not None:
         cmd += ["--weights", str(weights)]
-    proc = subprocess.run(cmd)
+    proc = procs.spawn(cmd)  # its own process group: torchrun and its ranks die with this process
+    try:
+        proc.wait()
+    finally:
+        procs.stop(proc)
     if proc.returncode != 0:
         raise StageError(f"torchrun training ({cfg.nproc_per_node} processes) failed with exit code {proc.returncode}; "
                          f"command: {' '.join(cmd[:8])} …")

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from drafter import procs
 from drafter.errors import StageError
 
 CONVERTER_MODULE = "exllamav3.conversion.convert_model"
@@ -222,7 +223,7 @@ def write_input_dir(pres: Presentation, tensors: dict[str, Any], target_dir: Pat
     the target's tokenizer files (exllamav3 tokenizes its calibration corpus with them).
     ``tensors``: release name → tensor (all of ``pres.names``' values)."""
     import torch
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     in_dir = Path(in_dir)
     if in_dir.exists():
@@ -236,7 +237,7 @@ def write_input_dir(pres: Presentation, tensors: dict[str, Any], target_dir: Pat
         if not torch.isfinite(t.float()).all():
             raise StageError(f"drafter tensor {rel} has NaN/inf values; refusing to quantize it")
         out[name] = t.to(torch.bfloat16).contiguous()
-    save_file(out, str(in_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(out, str(in_dir / "model.safetensors"), metadata={"format": "pt"})
     (in_dir / "config.json").write_text(json.dumps(pres.config, indent=2))
     copied = [f for f in TOKENIZER_FILES if (Path(target_dir) / f).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
@@ -370,8 +371,7 @@ def run_converter(cmd: list[str], log_path: Path, *, total: int, timeout_s: floa
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "a") as log, progress("exl3 convert", total=total, unit="tensors") as bar:
         log.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                                bufsize=1)
+        proc = procs.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, bufsize=1)
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
@@ -382,14 +382,12 @@ def run_converter(cmd: list[str], log_path: Path, *, total: int, timeout_s: floa
                 if on_line:
                     on_line(line)
                 if time.monotonic() - t0 > timeout_s:
-                    proc.kill()
+                    procs.stop(proc)
                     raise StageError(f"exllamav3's converter ran past quantize_exl3.timeout_s={timeout_s:.0f} s; "
                                      f"log: {log_path}")
             rc = proc.wait()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            procs.stop(proc)  # the converter and anything it started
     tail = "".join(lines[-30:])
     errors = [ln.strip() for ln in lines if ln.startswith(" !! Error") or ln.startswith(" ## ")]
     if rc != 0 or errors:
