@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from pydantic import SecretStr
+
 from drafter.errors import StageError
 from drafter.generate import OpenAIChatBackend, RequestError, Sampling, request_seed
 from drafter.serving import SPEC_COUNTERS, request_timing, spec_decode_counters
@@ -244,7 +246,8 @@ def cpu_server_env(python: str | Path, serving: "ServingConfig") -> dict[str, st
 def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None) -> "ServingConfig":
     """The settings every server of an A/B runs with: ``serving`` plus ``server_args`` (``ab_live.server_args``)
     and, for a vLLM CPU subprocess started from ``python``, :func:`cpu_server_env`."""
-    env = serving.env | (cpu_server_env(python, serving) if python is not None else {})
+    extra = cpu_server_env(python, serving) if python is not None else {}
+    env = dict(serving.env) | {k: SecretStr(v) for k, v in extra.items()}  # every value a secret, as validated ones
     return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "env": env})
 
 
@@ -341,7 +344,7 @@ def measure(server: "Server", turns: list[ReplayTurn], *, concurrency: int, max_
         raise StageError("ab_live: nothing to replay")
     backend = OpenAIChatBackend(server.base_url, server.model, engine=server.engine,
                                 engine_version=server.engine_version or "", timeout_s=timeout_s,
-                                max_connections=max(concurrency, 1))
+                                max_connections=max(concurrency, 1), api_key=server.api_key)
     sampling = Sampling(temperature=temperature, top_p=1.0, max_tokens=max_tokens)
     text = server.metrics_text()
     before, timing_before = spec_decode_counters(text), request_timing(text)

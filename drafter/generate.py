@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from drafter.data import shard_name, write_json_atomic, write_jsonl_atomic
-from drafter.errors import StageError
+from drafter.errors import BadInputError, ConfigError, StageError
 from drafter.progress import progress
 from drafter.prompts import Conversation
 
@@ -130,6 +130,57 @@ def shard_is_finished(out: Path, index: int, rows: list[RowPlan]) -> bool:
     return st.get("plan_sha256") == _plan_digest(rows) and st.get("failed_requests") == 0
 
 
+def prompt_token_limit(max_model_len: int, max_tokens: int) -> int:
+    """The longest prompt the server accepts: vLLM refuses a request whose prompt plus ``max_tokens``
+    exceed its context (``serving.max_model_len``)."""
+    limit = max_model_len - max_tokens
+    if limit < 1:
+        raise ConfigError(
+            f"generate.max_tokens={max_tokens} leaves no room for a prompt in serving.max_model_len={max_model_len}; "
+            "lower generate.max_tokens or raise serving.max_model_len")
+    return limit
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The target's tokenizer (with its chat template), as the engines load it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def check_prompt_lengths(convs: list[Conversation], tokenizer, modes: list[str], *, max_model_len: int,
+                         max_tokens: int) -> int:
+    """Fail at once (:class:`BadInputError`, naming the row's file:line) on a conversation whose
+    prompt cannot fit the server's context: ``serving.max_model_len − generate.max_tokens`` tokens.
+
+    Each conversation's longest prompt — the one of its last assistant turn — is rendered with the
+    target's chat template (``tokenizer.apply_chat_template``, in every thinking mode) and
+    tokenized as the engine does (no extra special tokens). The target's earlier answers are not
+    known yet, so they count as empty: a conversation refused here can never fit, and one that
+    passes may still outgrow the context through long answers (then its request fails and is
+    counted). Returns the longest prompt seen, in tokens.
+    """
+    limit = prompt_token_limit(max_model_len, max_tokens)
+    longest = 0
+    for c in convs:
+        last = max(i for i, m in enumerate(c.messages) if m["role"] == "assistant")
+        msgs = [{"role": m["role"], "content": m["content"] or ""} for m in c.messages[:last]]
+        earlier = any(m["role"] == "assistant" for m in msgs)
+        for mode in modes:
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **MODE_KWARGS[mode])
+            n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            longest = max(longest, n)
+            if n > limit:
+                where = c.origin or f"prompt {c.id}"
+                size = f"at least {n} tokens (its earlier answers counted as empty)" if earlier else f"{n} tokens"
+                raise BadInputError(
+                    f"{where}: this conversation's prompt has {size} with the target's chat template, more than the "
+                    f"{limit} the server accepts (serving.max_model_len={max_model_len} minus "
+                    f"generate.max_tokens={max_tokens}); shorten or drop the conversation, or raise "
+                    "serving.max_model_len")
+    return longest
+
+
 # --------------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------------
@@ -172,14 +223,16 @@ class ChatBackend(Protocol):
 class OpenAIChatBackend:
     """Chat completions over HTTP (``POST {base_url}/v1/chat/completions``), asking vLLM for token ids.
 
+    ``api_key`` (the value of ``serving.api_key_env``) is sent as ``Authorization: Bearer …``.
     ``transport`` (an ``httpx.AsyncBaseTransport``) is for tests, e.g. ``httpx.MockTransport``.
     """
 
     def __init__(self, base_url: str, model: str, *, engine: str = "openai", engine_version: str = "",
-                 timeout_s: float = 300.0, transport=None, max_connections: int = 64):
+                 timeout_s: float = 300.0, transport=None, max_connections: int = 64, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.model, self.engine, self.engine_version = model, engine, engine_version
         self.timeout_s, self._transport, self._max_conn = timeout_s, transport, max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = None
 
     def _get_client(self):
@@ -188,6 +241,7 @@ class OpenAIChatBackend:
         if self._client is None:
             self._client = httpx.AsyncClient(
                 base_url=self.base_url, timeout=httpx.Timeout(self.timeout_s), transport=self._transport,
+                headers=self._headers,
                 limits=httpx.Limits(max_connections=self._max_conn, max_keepalive_connections=self._max_conn))
         return self._client
 
@@ -313,6 +367,7 @@ class _Failure:
     error: str
     attempts: int
     requests: int  # requests this row made, the failed one included
+    origin: str = ""  # file:line of a user row ("" for built-in prompts)
 
 
 @dataclass
@@ -350,7 +405,7 @@ async def _generate_row(plan: RowPlan, backend: ChatBackend, cfg: "GenerateConfi
                 backend, messages, sampling=sampling, seed=seed, template_kwargs=kwargs,
                 max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s, counts=counts)
             if out is None:
-                return _Failure(plan.id, idx, err, attempts, requests=len(turns) + 1)
+                return _Failure(plan.id, idx, err, attempts, requests=len(turns) + 1, origin=plan.conv.origin)
             n = len(out.token_ids) if out.token_ids is not None else out.completion_tokens
             messages.append({"role": "assistant", "content": out.text})
             turns.append({"message_index": idx, "seed": seed, "token_ids": out.token_ids,
@@ -458,8 +513,8 @@ async def agenerate_dataset(convs, backend, out, cfg, *, target, modes=None, on_
 
 def _raise_failed(stats_all: dict[int, dict], cfg, denom: int, certain: bool) -> None:
     failures = [f for i in sorted(stats_all) for f in stats_all[i]["failures"]]
-    shown = "; ".join(f"{f['id']} (message {f['message_index']}, {f['attempts']} attempts): {f['error']}"
-                      for f in failures[:5])
+    shown = "; ".join(f"{f.get('origin') or f['id']} (message {f['message_index']}, {f['attempts']} attempts): "
+                      f"{f['error']}" for f in failures[:5])
     more = f" (+{len(failures) - 5} more)" if len(failures) > 5 else ""
     what = "of the planned" if certain else "of the"
     raise StageError(

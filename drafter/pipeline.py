@@ -23,7 +23,8 @@ from typing import Any
 from drafter import stages as registry
 from drafter.config import ReleaseConfig
 from drafter.errors import StoreError
-from drafter.stage import Artifact, Metrics, Stage, stage_key
+from drafter.scrub import redact_url
+from drafter.stage import Artifact, Metrics, Stage, key_config, stage_key
 from drafter.store import Store
 
 
@@ -62,24 +63,31 @@ def open_store(cfg: ReleaseConfig) -> Store:
     return Store(cfg.store.root, cfg.store.cache_dir)
 
 
+def with_inputs(wanted: list[str] | None) -> list[str]:
+    """``wanted`` and every stage they need, in pipeline order (all stages when ``wanted`` is empty);
+    an unknown name raises KeyError."""
+    all_stages = {s.name: s for s in registry.all_stages()}
+    if not wanted:
+        return list(registry.ORDER)
+    unknown = [w for w in wanted if w not in all_stages]
+    if unknown:
+        raise KeyError(f"unknown stage(s) {unknown}; stages are: {', '.join(registry.ORDER)}")
+    needed: set[str] = set()
+    todo = list(wanted)
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(all_stages[n].inputs)
+    return [n for n in registry.ORDER if n in needed]
+
+
 def plan(cfg: ReleaseConfig, only: list[str] | None = None) -> list[PlannedStage]:
     """Stages to run, in pipeline order, with their keys. ``only`` (or ``cfg.stages``) selects
     stages; everything they need is included."""
     wanted = only if only is not None else cfg.stages
     all_stages = {s.name: s for s in registry.all_stages()}
-    if wanted:
-        unknown = [w for w in wanted if w not in all_stages]
-        if unknown:
-            raise KeyError(f"unknown stage(s) {unknown}; stages are: {', '.join(registry.ORDER)}")
-        needed: set[str] = set()
-        todo = list(wanted)
-        while todo:
-            n = todo.pop()
-            if n not in needed:
-                needed.add(n)
-                todo.extend(all_stages[n].inputs)
-    else:
-        needed = set(all_stages)
+    needed = set(with_inputs(wanted))
     keys: dict[str, str] = {}
     out = []
     for name in registry.ORDER:
@@ -123,7 +131,7 @@ def run_stage(cfg: ReleaseConfig, name: str, store: Store | None = None) -> Stag
     inputs = load_inputs(store, p)
     meta = {
         "version": p.stage.version,
-        "config": {s: getattr(cfg, s).model_dump(mode="json") for s in p.stage.sections},
+        "config": key_config(p.stage, cfg),  # operational fields and secrets left out, as in the key
         "inputs": p.input_keys,
     }
     art, computed = store.produce(name, p.key, lambda out: p.stage.run(cfg, inputs, out), meta)
@@ -141,7 +149,7 @@ def summarize(cfg: ReleaseConfig, run_id: str, started_at: str, results: list[St
     return {
         "run_id": run_id,
         "release": cfg.name,
-        "store": cfg.store.root,
+        "store": redact_url(cfg.store.root),  # an fsspec URL may carry credentials
         "status": status,
         "error": error,
         "started_at": started_at,

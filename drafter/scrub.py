@@ -95,6 +95,30 @@ _PATTERNS: dict[str, list[re.Pattern]] = {
 BUILTIN_KINDS: tuple[str, ...] = tuple(_PATTERNS)
 """Built-in kinds in priority order (an overlap goes to the earlier kind)."""
 
+# scheme://USERINFO@ — userinfo is everything up to the first "@" before the path
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^\s/?#@\"'<>]+)@")
+
+
+def url_has_credentials(url: str) -> bool:
+    """Whether ``url`` (or a URL inside the text) carries credentials: ``scheme://user:pass@…`` or ``scheme://token@…``."""
+    return _URL_USERINFO.search(url) is not None
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked, for messages and logs:
+    ``https://bob:hunter2@host/v1`` → ``https://bob:***@host/v1``; a lone user part (often a
+    token, ``https://ghp_…@github.com``) → ``https://***@github.com``.
+
+    Example::
+
+        redact_url("no server at http://u:pw@10.0.0.1:8000/health")  # 'no server at http://u:***@10.0.0.1:8000/health'
+    """
+    def mask(m: re.Match) -> str:
+        user, sep, _ = m.group("userinfo").partition(":")
+        return m.group("scheme") + (f"{user}:***@" if sep else "***@")
+
+    return _URL_USERINFO.sub(mask, text)
+
 
 def _span(m: re.Match) -> tuple[int, int]:
     for g in ("s", "s2"):
@@ -207,3 +231,49 @@ def scrub_row(row: dict, scrubber: Scrubber) -> tuple[dict, Counter]:
             out["scrub_dropped"] = dropped
     out["scrubbed"] = dict(sorted(counts.items()))
     return out, counts
+
+
+def scrubber_for(cfg: Any) -> Scrubber:
+    """The :class:`Scrubber` of a ``scrub`` config section (:class:`~drafter.config.ScrubConfig`)."""
+    return Scrubber(kinds=cfg.kinds, extra_patterns=cfg.extra_patterns, replacement=cfg.replacement)
+
+
+def scrub_conversations(convs: list, scrubber: Scrubber) -> tuple[list, Counter, int]:
+    """Scrub user conversations (:class:`~drafter.prompts.Conversation`, ``source != "builtin"``)
+    before anything is sent to a server or written: every message's content, and the row's ``id``
+    and ``domain`` (a secret there becomes ``redacted-<hash of the scrubbed row>`` / ``user``).
+    Built-in prompts (written for this project) pass unchanged. Returns the conversations, the
+    count of secrets per kind and how many conversations changed."""
+    import dataclasses
+    import hashlib
+    import json
+
+    counts: Counter = Counter()
+    out, changed, ids = [], 0, set()
+    for c in convs:
+        if c.source == "builtin":
+            out.append(c)
+            ids.add(c.id)
+            continue
+        found: Counter = Counter()
+        msgs = tuple(m if m["content"] is None else {**m, "content": scrubber.scrub_value(m["content"], found)}
+                     for m in c.messages)
+        rid, domain = c.id, c.domain
+        if scrubber.find(rid):
+            _, cid = scrubber.scrub_text(rid)
+            found.update(cid)
+            rid = "redacted-" + hashlib.sha256(json.dumps([scrubber.scrub_text(c.id)[0], msgs]).encode()).hexdigest()[:16]
+        if scrubber.find(domain):
+            found.update(scrubber.scrub_text(domain)[1])
+            domain = "user"
+        if rid in ids:  # two conversations with secret ids, equal after scrubbing
+            from drafter.errors import StageError
+
+            raise StageError(f"{c.source}: two conversations are identical once their ids are scrubbed ({rid})")
+        ids.add(rid)
+        if found:
+            changed += 1
+            counts.update(found)
+            c = dataclasses.replace(c, id=rid, domain=domain, messages=msgs)
+        out.append(c)
+    return out, counts, changed

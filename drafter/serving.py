@@ -14,24 +14,36 @@ Example::
 
 The server is always stopped on exit — also on an exception or Ctrl-C (SIGTERM to its process
 group, then SIGKILL).
+
+Secrets: ``serving.env`` values (``SecretStr``) are revealed, and their ``${VAR}`` references
+expanded from this process's environment, only into the server process's environment
+(:func:`server_env`) — never into its command line (written at the top of the server log) or a
+message. The API key of a server (``serving.api_key_env``) is read from the environment when the
+server is reached and travels on :attr:`Server.api_key`; messages show URLs through
+:func:`drafter.scrub.redact_url`.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
-import signal
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from drafter import procs
+
 from drafter.config import ServingConfig
 from drafter.errors import DrafterError
+from drafter.scrub import redact_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -55,12 +67,17 @@ class Server:
     log_path: Path | None = None
     startup_s: float | None = None
     pid: int | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer` (serving.api_key_env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
 
     def metrics_text(self, timeout: float = 10.0) -> str:
         """The Prometheus ``/metrics`` text."""
         import httpx
 
-        r = httpx.get(f"{self.base_url}/metrics", timeout=timeout)
+        r = httpx.get(f"{self.base_url}/metrics", timeout=timeout, headers=self.headers)
         r.raise_for_status()
         return r.text
 
@@ -70,6 +87,45 @@ class Server:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def api_key(serving: ServingConfig) -> str | None:
+    """The server's API key: the value of the environment variable ``serving.api_key_env`` (None when unset)."""
+    name = serving.api_key_env
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise ServingError(f"serving.api_key_env names the environment variable {name}, which is not set (or empty) "
+                           "in this process: export it with the server's API key")
+    return value
+
+
+MASKED = "**********"  # what pydantic's SecretStr shows in every dump
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env_refs(name: str, value: str, environ: dict[str, str] | None = None) -> str:
+    """``value`` with every ``${VAR}`` replaced by ``environ[VAR]`` (default: ``os.environ``).
+    An unset variable raises :class:`ServingError` naming it (never the value)."""
+    environ = os.environ if environ is None else environ
+    if value == MASKED:
+        raise ServingError(f"serving.env.{name} is the mask {MASKED}: the config went through a dump that hides "
+                           "secrets (e.g. Prefect parameters), so the value is lost. Give it as a ${VAR} reference "
+                           "to a variable of the worker's environment")
+
+    def sub(m: re.Match) -> str:
+        var = m.group(1)
+        if var not in environ:
+            raise ServingError(f"serving.env.{name} refers to ${{{var}}}, which is not set in this process's "
+                               "environment: export it where the stage runs (the worker)")
+        return environ[var]
+
+    return _ENV_REF.sub(sub, value)
 
 
 def serving_python(serving: ServingConfig | None = None) -> Path:
@@ -173,8 +229,8 @@ def docker_command(
     if gpus:
         cmd += ["--gpus", gpus, "--ipc=host"]
     cmd += ["-p", f"{serving.host}:{port}:{CONTAINER_PORT}", "-v", f"{model_dir}:{CONTAINER_MODEL_DIR}:ro"]
-    for k, v in sorted(_server_env_overrides(serving).items()):
-        cmd += ["-e", f"{k}={v}"]
+    for k in sorted(_server_env_overrides(serving)):
+        cmd += ["-e", k]  # the value comes from the docker client's environment: never on the command line
     # the entrypoint is set explicitly: images differ (`vllm serve` vs the api_server module), this works in both
     cmd += ["--entrypoint", "python3", serving.docker_image, "-m", API_SERVER_MODULE]
     cmd += vllm_args(CONTAINER_MODEL_DIR, serving, served_model_name=served_model_name, host="0.0.0.0",
@@ -183,18 +239,24 @@ def docker_command(
 
 
 def _server_env_overrides(serving: ServingConfig) -> dict[str, str]:
-    """Environment the server needs on top of the caller's (CPU KV-cache size unless set, config's env)."""
+    """Environment the server needs on top of the caller's (CPU KV-cache size unless set, config's env
+    with its secrets revealed and ``${VAR}`` references expanded). Only for the server process."""
     env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB  # GiB; the CPU engine's default is far larger
-    return env | dict(serving.env)
+    return env | {k: expand_env_refs(k, v) for k, v in serving.env_values().items()}
 
 
-def _health_ok(base_url: str, timeout: float = 2.0) -> bool:
+def server_env(serving: ServingConfig) -> dict[str, str]:
+    """The whole environment of a server process: this process's plus :func:`_server_env_overrides`."""
+    return dict(os.environ) | _server_env_overrides(serving)
+
+
+def _health_ok(base_url: str, timeout: float = 2.0, headers: dict | None = None) -> bool:
     import httpx
 
     try:
-        return httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
+        return httpx.get(f"{base_url}/health", timeout=timeout, headers=headers).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -206,43 +268,22 @@ def _log_tail(path: Path | None, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
-def _stop_group(proc: subprocess.Popen, term_timeout: float = 20.0) -> None:
-    """SIGTERM the process group, wait, then SIGKILL what is left."""
-    if proc.poll() is not None:
-        _kill_group(proc.pid, signal.SIGKILL)  # stray children of a dead leader
-        return
-    _kill_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=term_timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    _kill_group(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str) -> float:
+def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str,
+                  shown: Path | None = None) -> float:
+    """Wait for ``/health``; errors quote the tail of ``log_path`` and name ``shown`` (default: the same file)."""
+    tail_of, log_path = log_path, shown or log_path
     t0 = time.monotonic()
     while True:
         if _health_ok(base_url):
             return time.monotonic() - t0
         if proc is not None and proc.poll() is not None:
             raise ServingError(
-                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{_log_tail(log_path)}"
+                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{_log_tail(tail_of)}"
             )
         if time.monotonic() - t0 > timeout_s:
             raise ServingError(
-                f"{what} did not answer {base_url}/health within {timeout_s:.0f} s (serving.startup_timeout_s); "
-                f"log {log_path}:\n{_log_tail(log_path)}"
+                f"{what} did not answer {redact_url(base_url)}/health within {timeout_s:.0f} s (serving.startup_timeout_s); "
+                f"log {log_path}:\n{_log_tail(tail_of)}"
             )
         time.sleep(1.0)
 
@@ -272,24 +313,25 @@ def serve(
             raise ServingError("serving.launcher=url needs serving.url")
         base = serving.url.rstrip("/")
         base = base[: -len("/v1")] if base.endswith("/v1") else base
-        if not _health_ok(base, timeout=10.0):
-            raise ServingError(f"no healthy server at {base}/health (serving.url)")
-        yield Server(base_url=base, model=served_model_name or _first_model(base) or name, engine="vllm",
-                     engine_version=_server_version(base), log_path=None)
+        key = api_key(serving)
+        headers = auth_headers(key)
+        if not _health_ok(base, timeout=10.0, headers=headers):
+            raise ServingError(f"no healthy server at {redact_url(base)}/health (serving.url)")
+        yield Server(base_url=base, model=served_model_name or _first_model(base, headers) or name, engine="vllm",
+                     engine_version=_server_version(base, headers), log_path=None, api_key=key)
         return
 
     if not (model_dir / "config.json").is_file():
         raise ServingError(f"cannot serve {model_dir}: it has no config.json")
     port = serving.port or free_port(serving.host)
     if log_path is None:
-        import tempfile
-
         fd, tmp_log = tempfile.mkstemp(prefix="vllm-", suffix=".log")
         os.close(fd)
         log_path = Path(tmp_log)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = os.environ | _server_env_overrides(serving)
+    env = server_env(serving)
+    key = api_key(serving)
     if serving.launcher == "subprocess":
         cmd = subprocess_command(model_dir, serving, port=port, served_model_name=name, speculative_config=speculative_config)
         version = engine_version(cmd[0])
@@ -306,37 +348,44 @@ def serve(
         raise ServingError(f"unknown serving.launcher {serving.launcher!r}")
 
     base = f"http://{serving.host}:{port}"
-    with open(log_path, "ab") as log:
+    # The server writes to a private file outside the caller's (stage output) directory; it is
+    # copied to ``log_path`` once every process of the server is gone. A server that outlived a
+    # killed run could otherwise append to a log that a later run has published.
+    live_dir = Path(tempfile.mkdtemp(prefix="drafter-serve-"))
+    live = live_dir / "server.log"
+    with open(live, "ab") as log:
         log.write(f"$ {shlex.join(cmd)}\n".encode())
         log.flush()
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = procs.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_healthy(base, serving.startup_timeout_s, proc, log_path, what)
+        _wait_healthy(base, serving.startup_timeout_s, proc, live, what, shown=log_path)
         yield Server(base_url=base, model=name, engine="vllm", engine_version=version, log_path=log_path,
-                     startup_s=round(time.monotonic() - t0, 2), pid=proc.pid)
+                     startup_s=round(time.monotonic() - t0, 2), pid=proc.pid, api_key=key)
     finally:
         if serving.launcher == "docker":
             subprocess.run(["docker", "stop", "-t", "10", container], capture_output=True, timeout=60)
-        _stop_group(proc)
+        procs.stop(proc)
+        with open(log_path, "ab") as dst, open(live, "rb") as src:
+            shutil.copyfileobj(src, dst)
+        shutil.rmtree(live_dir, ignore_errors=True)
 
 
-def _first_model(base_url: str) -> str | None:
+def _first_model(base_url: str, headers: dict | None = None) -> str | None:
     import httpx
 
     try:
-        data = httpx.get(f"{base_url}/v1/models", timeout=10).json().get("data") or []
+        data = httpx.get(f"{base_url}/v1/models", timeout=10, headers=headers).json().get("data") or []
         return data[0]["id"] if data else None
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return None
 
 
-def _server_version(base_url: str) -> str | None:
+def _server_version(base_url: str, headers: dict | None = None) -> str | None:
     import httpx
 
     try:
-        return httpx.get(f"{base_url}/version", timeout=10).json().get("version")
+        return httpx.get(f"{base_url}/version", timeout=10, headers=headers).json().get("version")
     except (httpx.HTTPError, ValueError):
         return None
 

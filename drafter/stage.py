@@ -68,12 +68,19 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def key_config(stage: Stage, cfg: "ReleaseConfig") -> dict[str, Any]:
+    """The config a stage's key covers (and its manifest records): each of its sections'
+    :meth:`~drafter.config.Section.key_dump` — operational settings (timeouts, retries, python paths,
+    ports, the server's environment and other secrets) left out, so they never re-key a stage."""
+    return {s: getattr(cfg, s).key_dump() for s in stage.sections}
+
+
 def stage_key(stage: Stage, cfg: "ReleaseConfig", input_keys: dict[str, str]) -> str:
     """hash(stage name, stage version, its config sections, the keys of its inputs) — 16 hex chars."""
     payload = {
         "stage": stage.name,
         "version": stage.version,
-        "config": {s: getattr(cfg, s).model_dump(mode="json") for s in stage.sections},
+        "config": key_config(stage, cfg),
         "inputs": dict(sorted(input_keys.items())),
     }
     if stage.fingerprint is not None:

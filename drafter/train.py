@@ -108,20 +108,26 @@ def _all_reduce_grads(params, world: int) -> None:
 
 
 def _save_checkpoint(path: Path, drafter, opt, step: int, history: list) -> None:
+    """Tensors and plain JSON-like values only (no pickled objects), so that it loads with
+    ``torch.load(weights_only=True)``: a checkpoint file cannot run code. The window order is a
+    function of the step; torch's global RNG state is kept as a uint8 tensor, the history as JSON values."""
     trainable = {k: v for k, v in drafter.named_parameters() if v.requires_grad}
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     torch.save({"step": step, "model": {k: v.detach().clone() for k, v in trainable.items()},
-                "optimizer": opt.state_dict(), "history": history}, tmp)
+                "optimizer": opt.state_dict(), "history": json.loads(json.dumps(history)),
+                "torch_rng_state": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)
 
 
 def _load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = torch.load(path, map_location="cpu", weights_only=True)
     params = dict(drafter.named_parameters())
     with torch.no_grad():
         for k, v in ck["model"].items():
             params[k].copy_(v)
     opt.load_state_dict(ck["optimizer"])
+    if "torch_rng_state" in ck:
+        torch.set_rng_state(ck["torch_rng_state"])
     return ck["step"], ck["history"]
 
 

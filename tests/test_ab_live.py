@@ -346,7 +346,7 @@ def test_ab_serving_appends_server_args_and_the_cpu_env(tmp_path, monkeypatch):
     base = ServingConfig(extra_args=["--seed", "1"], env={"A": "1"})
     s = ab_serving(base, ["--block-size", "32"], py)
     assert s.extra_args == ["--seed", "1", "--block-size", "32"]
-    assert s.env == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert s.env_values() == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}  # env values are SecretStr
     assert base.extra_args == ["--seed", "1"]  # the config itself is left as it was
     # no local serving env (docker): the arguments only
-    assert ab_serving(base, ["--block-size", "32"], None).env == {"A": "1"}
+    assert ab_serving(base, ["--block-size", "32"], None).env_values() == {"A": "1"}

@@ -6,12 +6,22 @@ fixed held-out split) and the user's JSONL/Parquet files — then, with the targ
 (``serving.backend: vllm``; started via :func:`drafter.serving.serve`) or loaded in-process by
 transformers (``serving.backend: transformers``), every assistant turn, turn by turn, in the
 thinking modes the chat template supports (see :mod:`drafter.generate`).
+Secrets: user-file conversations are scrubbed with ``cfg.scrub``'s rules (:func:`drafter.scrub.
+scrub_conversations`: message contents, and ids/domains holding a secret) right after they are read,
+before anything is sent to the server or written — so neither the text nor the token ids of this
+stage's output hold the user's secrets (``scrub`` is among this stage's sections: new rules mean a
+new key). The `scrub` stage still scrubs the generated text (a model may invent secret-like strings)
+and adds these input counts to its own.
 Writes: ``shards/shard-*.jsonl`` (one conversation per row, format in :mod:`drafter.generate`),
-``shard_stats/shard-*.json``, ``server.log`` (vLLM's log) and ``summary.json``.
+``shard_stats/shard-*.json``, ``server.log`` (vLLM's log) and ``summary.json`` (with
+``input_secrets``: secrets removed from the input, per kind; never the secrets).
 Reports: ``rows``, ``train_rows``, ``heldout_rows``, ``failed`` (requests), ``tokens_generated``,
-``tok_per_s``, ``engine``, ``seconds``, ``shards_reused``.
+``tok_per_s``, ``engine``, ``seconds``, ``shards_reused``, ``input_secrets`` and
+``input_secrets_<kind>`` for every kind.
 Resumes: shards finished on an earlier try are kept; the engine is not started when all are done.
-Fails: when more than ``generate.max_failed_fraction`` of the requests fail after retries.
+Fails: at once (before any engine starts) when a conversation's prompt cannot fit
+``serving.max_model_len − generate.max_tokens`` tokens (naming its file:line); when more than
+``generate.max_failed_fraction`` of the requests fail after retries.
 """
 from __future__ import annotations
 
@@ -23,15 +33,18 @@ from pathlib import Path
 
 from drafter.config import ReleaseConfig
 from drafter.data import remove_partial_files, write_json_atomic
-from drafter.errors import StageError
+from drafter.errors import BadInputError, StageError
 from drafter.generate import (
     OpenAIChatBackend,
     TransformersBackend,
+    check_prompt_lengths,
     generate_dataset,
+    load_tokenizer,
     template_supports_thinking,
     thinking_modes,
 )
 from drafter.prompts import build_prompts
+from drafter.scrub import scrub_conversations, scrubber_for
 from drafter.stage import Artifact, Metrics, Stage
 from drafter.store import sha256_file
 from drafter.target import chat_template_text, target_dir, target_info
@@ -51,7 +64,12 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
               "chat_template_sha256": info.get("chat_template_sha256") or hashlib.sha256(template.encode()).hexdigest()}
     supported = template_supports_thinking(template)
     modes = thinking_modes(g.thinking, supported)
-    convs = build_prompts(g)
+    scrubber = scrubber_for(cfg.scrub)
+    convs, input_secrets, input_changed = scrub_conversations(build_prompts(g), scrubber)
+    # before any engine starts: a conversation that cannot fit the server's context fails the stage
+    # now, named by its file:line, instead of failing its requests at the end
+    check_prompt_lengths(convs, load_tokenizer(model_dir), modes, max_model_len=serving.max_model_len,
+                         max_tokens=g.max_tokens)
     remove_partial_files(out)
 
     servers = []
@@ -66,7 +84,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             srv = stack.enter_context(serve(model_dir, serving, log_path=out / "server.log"))
             servers.append(srv)
             return OpenAIChatBackend(srv.base_url, srv.model, engine=srv.engine, engine_version=srv.engine_version or "",
-                                     timeout_s=g.request_timeout_s, max_connections=g.concurrency)
+                                     timeout_s=g.request_timeout_s, max_connections=g.concurrency, api_key=srv.api_key)
 
         summary = generate_dataset(convs, backend, out, g, target=target, modes=modes)
 
@@ -80,6 +98,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens, "seed": g.seed},
         "prompts": len(convs),
         "domains": _count(c.domain for c in convs),
+        "input_secrets": sum(input_secrets.values()),
+        "input_secrets_by_kind": {k: input_secrets.get(k, 0) for k in scrubber.all_kinds},
+        "input_conversations_scrubbed": input_changed,
     }
     if not supported and g.thinking != "off":
         summary["note"] = note = (f"generate.thinking={g.thinking!r}, but the chat template has no enable_thinking switch: "
@@ -92,6 +113,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "tokens_generated": summary["tokens_generated"], "tok_per_s": summary["tok_per_s"],
         "engine": summary.get("engine", ""), "engine_version": summary.get("engine_version", ""),
         "seconds": seconds, "shards": summary["shards"], "shards_reused": summary["shards_reused"],
+        "input_secrets": summary["input_secrets"],
+        **{f"input_secrets_{k}": v for k, v in summary["input_secrets_by_kind"].items()},
     }
 
 
@@ -108,16 +131,16 @@ def fingerprint(cfg: ReleaseConfig) -> list[dict]:
     for f in cfg.generate.user_files:
         p = Path(f).expanduser()
         if not p.is_file():
-            raise StageError(f"generate.user_files: {p} does not exist")
+            raise BadInputError(f"generate.user_files: {p} does not exist; fix the path or remove it from the list")
         fps.append({"path": str(f), "size": p.stat().st_size, "sha256": sha256_file(p)})
     return fps
 
 
 STAGE = Stage(
     name="generate",
-    version="1",
+    version="2",  # 2: user conversations scrubbed before generation; input secret counts
     inputs=("prepare_target",),
-    sections=("generate", "serving"),
+    sections=("generate", "serving", "scrub"),
     run=run,
     description="Regenerate every assistant turn of built-in and user prompts with the served target",
     fingerprint=fingerprint,

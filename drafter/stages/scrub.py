@@ -5,27 +5,35 @@ Computes: every string of every row (messages and provenance, not the row's id/s
 mode) with private keys, API keys, tokens, URL passwords, password assignments and e-mails
 replaced (kinds and extra patterns from ``cfg.scrub``; see :mod:`drafter.scrub`). A changed row
 loses its token-id fields (they would decode back to the secret).
+The user's own secrets never reach this stage: `generate` scrubs user conversations with the same
+rules before generating (and reports them as ``input_secrets``); this stage removes what the model
+wrote (it may invent secret-like strings) and adds generate's input counts to its own, so its
+totals per kind cover both.
 Writes: ``shards/shard-*.jsonl`` (same shard names and row format, plus ``scrubbed: {kind:
-count}`` per row) and ``report.json`` (counts per kind, per shard; never the secrets).
-Reports: ``rows``, ``rows_changed``, ``secrets`` and ``secrets_<kind>`` for every kind.
+count}`` per row: what this stage found) and ``report.json`` (``counts``: totals per kind, input +
+generated; ``counts_generated``: found here; ``counts_input``: found by generate in the user's
+conversations; per shard; never the secrets).
+Reports: ``rows``, ``rows_changed``, ``secrets`` and ``secrets_<kind>`` for every kind (input +
+generated), ``secrets_generated``, ``secrets_input``.
 Resumes: shards already written to ``out`` on an earlier try are kept.
 """
 from __future__ import annotations
 
 from collections import Counter
+import json
 from pathlib import Path
 
 from drafter.config import ReleaseConfig
 from drafter.data import iter_jsonl, list_shards, read_jsonl, remove_partial_files, write_json_atomic, write_jsonl_atomic
 from drafter.errors import StageError
 from drafter.progress import progress
-from drafter.scrub import Scrubber, scrub_row
+from drafter.scrub import scrub_row, scrubber_for
 from drafter.stage import Artifact, Metrics, Stage
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     sc = cfg.scrub
-    scrubber = Scrubber(kinds=sc.kinds, extra_patterns=sc.extra_patterns, replacement=sc.replacement)
+    scrubber = scrubber_for(sc)
     src_dir = inputs["generate"].path / "shards"
     shards = list_shards(src_dir)
     if not shards:
@@ -50,7 +58,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                 done, counts, changed = [], Counter(), 0
                 for row in iter_jsonl(src):
                     if "messages" not in row:
-                        raise StageError(f"{src}: row {row.get('id', '?')!r} has no 'messages'")
+                        raise StageError(f"{src}: row {row.get('id', '?')!r} has no 'messages'")  # ids are scrubbed by generate
                     new, c = scrub_row(row, scrubber)
                     done.append(new)
                     counts.update(c)
@@ -63,24 +71,36 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             bar.advance(1)
 
     kinds = scrubber.all_kinds
-    counts_all = {k: totals.get(k, 0) for k in kinds}
+    counts_input = _input_counts(inputs["generate"].path, kinds)
+    counts_generated = {k: totals.get(k, 0) for k in kinds}
+    counts_all = {k: counts_generated[k] + counts_input[k] for k in kinds}
     write_json_atomic(out / "report.json", {
         "kinds": kinds,
         "replacement": sc.replacement,
         "rows": rows,
         "rows_changed": rows_changed,
         "counts": counts_all,
+        "counts_generated": counts_generated,
+        "counts_input": counts_input,
         "shards": per_shard,
     })
     metrics: Metrics = {"rows": rows, "rows_changed": rows_changed, "secrets": sum(counts_all.values()),
+                        "secrets_generated": sum(counts_generated.values()), "secrets_input": sum(counts_input.values()),
                         "shards": len(shards), "shards_reused": reused}
     metrics.update({f"secrets_{k}": v for k, v in counts_all.items()})
     return metrics
 
 
+def _input_counts(generate_dir: Path, kinds: list[str]) -> dict[str, int]:
+    """Secrets `generate` removed from the user's conversations (its summary.json), per kind."""
+    summary = generate_dir / "summary.json"
+    found = json.loads(summary.read_text()).get("input_secrets_by_kind", {}) if summary.is_file() else {}
+    return {k: int(found.get(k, 0)) for k in kinds}
+
+
 STAGE = Stage(
     name="scrub",
-    version="1",
+    version="2",  # 2: totals include generate's input counts (report.json counts_generated / counts_input)
     inputs=("generate",),
     sections=("scrub",),
     run=run,
