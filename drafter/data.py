@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from drafter.errors import StageError
+from drafter.errors import StageError, describe_value
 
 SHARD_PREFIX = "shard-"
 TMP_SUFFIX = ".tmp"
@@ -74,6 +74,38 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, atomically and byte-reproducibly.
+
+    safetensors writes its ``__metadata__`` map in an arbitrary order that changes from process to
+    process, so the same tensors gave different files (a resumed training run differed from an
+    uninterrupted one). The header is rewritten here with every key sorted: the same tensors and
+    metadata always give the same bytes.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        normalize_safetensors_header(tmp)
+
+
+def normalize_safetensors_header(path: str | Path) -> None:
+    """Rewrite a safetensors file's JSON header with sorted keys (tensor data offsets unchanged)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        if "__metadata__" in header and header["__metadata__"] is not None:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (n - len(text))
+        if len(text) != n:  # cannot happen for a header safetensors wrote (same content, other order)
+            raise ValueError(f"{path}: normalized safetensors header is {len(text)} bytes, the file's is {n}")
+        f.seek(8)
+        f.write(text)
 
 
 def remove_partial_files(directory: str | Path) -> int:
@@ -170,7 +202,7 @@ def tokenize_conversation(
         raise StageError(f"{where}: no messages")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise StageError(f"{where}: message {j} has no 'role' ({m!r:.80})")
+            raise StageError(f"{where}: message {j} has no 'role' (it is {describe_value(m)})")
     full = _render(tokenizer, messages, False, kw)
     mask = [0] * len(full)
     for j, m in enumerate(messages):

@@ -30,7 +30,10 @@ from drafter.errors import StageError
 
 
 class GateRefused(StageError):
-    """The release gate refused the candidate; the message is the gate's report (why)."""
+    """The release gate refused the candidate; the message is the gate's report (why).
+    Permanent: the same measurements give the same verdict, so it is never retried."""
+
+    permanent = True
 
 
 @dataclass

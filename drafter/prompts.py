@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from drafter.errors import StageError
+from drafter.errors import BadInputError, StageError
 
 if TYPE_CHECKING:
     from drafter.config import GenerateConfig
@@ -59,6 +59,9 @@ class Conversation:
     split: str
     messages: tuple[dict, ...] = field(repr=False)
     source: str = "builtin"
+    # where the row came from, for error messages: ``file:line`` (JSONL), ``file row N`` (Parquet);
+    # empty for built-in prompts (their id says it)
+    origin: str = ""
 
     @property
     def num_assistant_turns(self) -> int:
@@ -457,87 +460,110 @@ def _builtin_split(seed: int, domain: str, j: int, fraction: float) -> str:
 def _normalize_messages(msgs: Any, where: str) -> tuple[dict, ...]:
     """Validate user messages; assistant contents become placeholders (they are regenerated)."""
     if not isinstance(msgs, list) or not msgs:
-        raise StageError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
+        raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
     out: list[dict] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise StageError(f"{where}: messages[{i}] must be an object with `role` and `content`, got {_short(m)}")
+            raise BadInputError(f"{where}: messages[{i}] must be an object with `role` and `content`, got {_short(m)}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise StageError(
-                f"{where}: messages[{i}].role is {role!r}; allowed roles are {', '.join(ROLES)} "
+            raise BadInputError(
+                f"{where}: messages[{i}].role is {_name_shown(role)}; allowed roles are {', '.join(ROLES)} "
                 f"(put tool output into a user message)")
         if role == "system" and i != 0:
-            raise StageError(f"{where}: messages[{i}] is a system message; only the first message may be one")
+            raise BadInputError(f"{where}: messages[{i}] is a system message; only the first message may be one")
         if role != "assistant":
             if not isinstance(content, str) or not content.strip():
-                raise StageError(f"{where}: messages[{i}].content ({role}) must be a non-empty string, got {_short(content)}")
+                raise BadInputError(f"{where}: messages[{i}].content ({role}) must be a non-empty string, got {_short(content)}")
             out.append({"role": role, "content": content})
         else:
             if content is not None and not isinstance(content, str):
-                raise StageError(f"{where}: messages[{i}].content (assistant) must be a string or null, got {_short(content)}")
+                raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a string or null, got {_short(content)}")
             if out and out[-1]["role"] == "assistant":
-                raise StageError(f"{where}: messages[{i}] is a second assistant message in a row")
+                raise BadInputError(f"{where}: messages[{i}] is a second assistant message in a row")
             if not out or out[-1]["role"] == "system":
-                raise StageError(f"{where}: messages[{i}] is an assistant message before any user message")
+                raise BadInputError(f"{where}: messages[{i}] is an assistant message before any user message")
             out.append({"role": "assistant", "content": None})
     if not any(m["role"] == "user" for m in out):
-        raise StageError(f"{where}: the conversation has no user message")
+        raise BadInputError(f"{where}: the conversation has no user message")
     if out[-1]["role"] != "assistant":
         out.append({"role": "assistant", "content": None})  # answer the last user turn too
     return tuple(out)
 
 
-def _short(v: Any, n: int = 80) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
+def _short(v: Any) -> str:
+    """A bad value in an error message: its type and size, never its text (rows may hold secrets)."""
+    from drafter.errors import describe_value
+
+    return describe_value(v)
+
+
+def _name_shown(v: Any) -> str:
+    """A role or key name in an error message: shown when it looks like a name (``tool``), else described."""
+    import re
+
+    if isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,31}", v):
+        return repr(v)
+    return _short(v)
 
 
 def _user_row(row: Any, where: str, heldout_fraction: float, source: str) -> Conversation:
     if not isinstance(row, dict):
-        raise StageError(f"{where}: each row must be an object with a `messages` list, got {_short(row)}")
+        raise BadInputError(f"{where}: each row must be an object with a `messages` list, got {_short(row)}")
     if "messages" not in row:
-        raise StageError(f"{where}: row has no `messages` field (keys: {sorted(row)})")
+        raise BadInputError(f"{where}: row has no `messages` field (keys: {', '.join(_name_shown(k) for k in row) or 'none'})")
     msgs = _normalize_messages(row["messages"], where)
     rid = row.get("id")
     if rid is None:
         rid = "user-" + hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()[:16]
     elif not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
-        raise StageError(f"{where}: `id` must be a non-empty string or integer, got {_short(rid)}")
+        raise BadInputError(f"{where}: `id` must be a non-empty string or integer, got {_short(rid)}")
     rid = str(rid)
     domain = row.get("domain") or "user"
     if not isinstance(domain, str):
-        raise StageError(f"{where}: `domain` must be a string, got {_short(domain)}")
+        raise BadInputError(f"{where}: `domain` must be a string, got {_short(domain)}")
     split = row.get("split")
     if split is None:
         split = "heldout" if _unit_hash("heldout-user", rid) < heldout_fraction else "train"
     elif split not in SPLITS:
-        raise StageError(f"{where}: `split` must be one of {', '.join(SPLITS)}, got {_short(split)}")
-    return Conversation(id=rid, domain=domain, split=split, messages=msgs, source=source)
+        raise BadInputError(f"{where}: `split` must be one of {', '.join(SPLITS)}, got {_short(split)}")
+    return Conversation(id=rid, domain=domain, split=split, messages=msgs, source=source, origin=where)
 
 
 def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125) -> list[Conversation]:
     """Conversations from a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
     Each row needs ``messages`` (a list of ``{role, content}``; in Parquet a list of structs or a JSON
-    string); optional ``id``, ``domain``, ``split``. Bad rows raise :class:`StageError` naming the
-    file, the line (JSONL) or row (Parquet), and the problem.
+    string); optional ``id``, ``domain``, ``split``. Bad rows raise :class:`BadInputError` (a
+    :class:`StageError`) naming the file, the line (JSONL) or row (Parquet), and the problem; each
+    conversation's ``origin`` is that same ``file:line`` / ``file row N``.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise StageError(f"prompt file {path} does not exist")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise BadInputError(f"prompt file {path} {what}; fix the path in generate.user_files")
     suffix = path.suffix.lower()
     convs: list[Conversation] = []
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with path.open("r", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        try:
+            f = path.open("rb")
+        except OSError as e:
+            raise BadInputError(f"prompt file {path}: cannot read it ({e.strerror}); check its permissions") from None
+        with f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadInputError(
+                        f"{where}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8; "
+                        "save the file as UTF-8") from None
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise StageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise BadInputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
                 convs.append(_user_row(row, where, heldout_fraction, str(path)))
     elif suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
@@ -545,28 +571,30 @@ def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125) -> list
         try:
             table = pq.read_table(path)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
-            raise StageError(f"prompt file {path}: cannot read as Parquet: {e}") from None
+            raise BadInputError(f"prompt file {path}: cannot read as Parquet ({type(e).__name__}); "
+                                "check that it is a valid Parquet file, or give the rows as .jsonl") from None
         if "messages" not in table.column_names:
-            raise StageError(f"prompt file {path}: no `messages` column (columns: {table.column_names})")
+            raise BadInputError(f"prompt file {path}: no `messages` column (columns: {table.column_names})")
         for i, row in enumerate(table.to_pylist()):
             where = f"{path} row {i}"
             if isinstance(row.get("messages"), str):
                 try:
                     row["messages"] = json.loads(row["messages"])
                 except json.JSONDecodeError as e:
-                    raise StageError(f"{where}: `messages` is a string but not valid JSON ({e.msg})") from None
+                    raise BadInputError(f"{where}: `messages` is a string but not valid JSON ({e.msg})") from None
             convs.append(_user_row(row, where, heldout_fraction, str(path)))
     else:
-        raise StageError(f"prompt file {path}: unknown format {suffix!r}; use .jsonl or .parquet")
+        raise BadInputError(f"prompt file {path}: unknown format {suffix!r}; use .jsonl or .parquet")
     if not convs:
-        raise StageError(f"prompt file {path} has no conversations")
+        raise BadInputError(f"prompt file {path} has no conversations; add rows with `messages`, or remove it from "
+                            "generate.user_files")
     return convs
 
 
 def build_prompts(cfg: "GenerateConfig") -> list[Conversation]:
     """All conversations of a run: built-in prompts, then every user file in order.
 
-    Ids are unique across the result; a repeated id raises :class:`StageError` naming both sources.
+    Ids are unique across the result; a repeated id raises :class:`BadInputError` naming both rows.
     Identical conversations without an explicit id (same hash id) are kept once.
     """
     convs = builtin_prompts(cfg.num_prompts, seed=cfg.seed, domains=cfg.domains,
@@ -578,7 +606,8 @@ def build_prompts(cfg: "GenerateConfig") -> list[Conversation]:
             if prev is not None:
                 if prev.messages == c.messages and c.id.startswith("user-"):
                     continue  # exact duplicate conversation
-                raise StageError(f"prompt id {c.id!r} appears twice: in {prev.source} and in {c.source}")
+                raise BadInputError(f"prompt id {c.id!r} appears twice: in {prev.origin or prev.source} and in "
+                                    f"{c.origin or c.source}; give each conversation its own `id`")
             seen[c.id] = c
             convs.append(c)
     return convs

@@ -9,6 +9,11 @@ Layout (local path or any fsspec URL)::
 
 A finished output is published by writing ``manifest.json`` (every file with size + sha256) and
 renaming the partial directory into place, so a reader sees either nothing or a whole output.
+When a stage fails, its partial directory stays only if the failure is transient (a retry or a
+rerun resumes from it: connection errors, timeouts, a dead server); on a permanent failure (bad
+config or input, permission or decode errors, :func:`drafter.errors.is_permanent`) it is removed,
+since a retry would fail the same way. :meth:`Store.remove_partials` (``drafter clean``) removes
+leftover partial directories that no process is working on (their lock is free).
 On a remote (fsspec) store the work happens in a local partial directory under ``cache_dir``; the
 files are uploaded first and ``manifest.json`` last, and a directory without a manifest counts as
 absent. Reuse verifies the manifest (sizes and sha256), so a tampered output is reported by name.
@@ -36,7 +41,8 @@ from typing import Any, Callable, Iterator
 import fsspec
 
 from drafter import __version__
-from drafter.errors import StageSkipped, StoreError
+from drafter import procs
+from drafter.errors import StageSkipped, StoreError, is_permanent
 from drafter.stage import Artifact, Metrics
 
 MANIFEST = "manifest.json"
@@ -97,7 +103,17 @@ class Store:
         else:
             self.root = None
             self.work = Path(os.path.expanduser(str(cache_dir))) / hashlib.sha256(root.encode()).hexdigest()[:12]
-        self.work.mkdir(parents=True, exist_ok=True)
+        try:
+            self.work.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            where = "store.root" if self.local else "store.cache_dir"
+            blocker = next((p for p in [self.work, *self.work.parents] if p.exists() and not p.is_dir()), self.work)
+            raise StoreError(f"{where} {self.work}: {blocker} is a file, not a directory; point {where} "
+                             "(or --store) at a directory") from None
+        except OSError as e:
+            where = "store.root" if self.local else "store.cache_dir"
+            raise StoreError(f"{where} {self.work}: cannot create it ({e.strerror}); choose a writable {where} "
+                             "(or --store)") from None
 
     # ---- paths -------------------------------------------------------------------------
     def _remote(self, *parts: str) -> str:
@@ -191,6 +207,14 @@ class Store:
                 shutil.rmtree(part)
                 part.mkdir(parents=True)
                 status, reason, metrics = "skipped", str(e), {}
+            except BaseException as e:
+                # a retry would fail the same way: nothing of this attempt is worth resuming from.
+                # A transient failure keeps the directory: the retry resumes from its checkpoints.
+                if is_permanent(e):
+                    shutil.rmtree(part, ignore_errors=True)
+                raise
+            if procs.stopping():  # a signal is ending this process: leave the partial directory for the rerun
+                raise StoreError(f"{stage}/{key} was not published: the run is stopping; a rerun resumes from {part}")
             manifest = {
                 **meta,
                 "stage": stage,
@@ -246,21 +270,100 @@ class Store:
             f.write(text)
         return path
 
-    def runs(self) -> list[dict]:
-        """All run summaries, oldest first."""
+    def runs(self, warn: Callable[[str], None] | None = None) -> list[dict]:
+        """All readable run summaries, oldest first.
+
+        A summary that cannot be read or is not a run summary (truncated, not JSON, missing fields)
+        is skipped: ``warn`` (default: a logged warning) gets one line naming the file.
+        """
+        if warn is None:
+            import logging
+
+            warn = logging.getLogger(__name__).warning
         out = []
         if self.local:
             paths = sorted((self.root / "runs").glob("*.json")) if (self.root / "runs").is_dir() else []
-            for p in paths:
-                out.append(json.loads(p.read_text()))
+            sources = [(str(p), p.read_bytes) for p in paths]
         else:
             rd = self._remote("runs")
-            if self.fs.exists(rd):
-                for p in sorted(self.fs.glob(rd + "/*.json")):
-                    with self.fs.open(p) as f:
-                        out.append(json.load(f))
+            paths = sorted(self.fs.glob(rd + "/*.json")) if self.fs.exists(rd) else []
+            sources = [(p, (lambda p=p: self.fs.cat_file(p))) for p in paths]
+        for name, read in sources:
+            try:
+                summary = json.loads(read().decode("utf-8"))
+                problem = run_summary_problem(summary)
+            except OSError as e:
+                problem = f"cannot be read ({e.strerror or e})"
+            except UnicodeDecodeError:
+                problem = "is not UTF-8 text"
+            except json.JSONDecodeError as e:
+                problem = f"is not valid JSON (line {e.lineno}: {e.msg})"
+            if problem:
+                warn(f"run summary {name} {problem}; skipped (remove the file if the run is not needed)")
+                continue
+            out.append(summary)
         return sorted(out, key=lambda r: r.get("started_at", ""))
 
     def partials(self) -> list[Path]:
-        """In-progress directories left by interrupted runs (they are resumed, not garbage)."""
-        return sorted(self.work.glob("*/.*.partial"))
+        """In-progress directories left by interrupted runs (resumed by a rerun of the same key)."""
+        return sorted(p for p in self.work.glob("*/.*.partial") if p.is_dir())
+
+    @staticmethod
+    def partial_owner(path: Path) -> tuple[str, str]:
+        """(stage, key) of a partial directory ``<stage>/.<key>.partial``."""
+        return path.parent.name, path.name[1:-len(".partial")]
+
+    def partial_in_use(self, stage: str, key: str) -> bool:
+        """Whether a process holds the lock of (stage, key), i.e. is working on its partial directory."""
+        lock_path = self.work / stage / f".{key}.lock"
+        if not lock_path.is_file():
+            return False
+        with open(lock_path, "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+    def remove_partials(self, keep: set[tuple[str, str]] | frozenset = frozenset(),
+                        dry_run: bool = False) -> tuple[list[Path], list[Path]]:
+        """Remove partial directories no process is working on; ``keep`` lists (stage, key) pairs to
+        leave alone. Returns (removed — or, with ``dry_run``, removable —, in use)."""
+        removed, busy = [], []
+        for part in self.partials():
+            stage, key = self.partial_owner(part)
+            if (stage, key) in keep:
+                continue
+            lock_path = part.parent / f".{key}.lock"
+            with open(lock_path, "a") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy.append(part)
+                    continue
+                try:  # removed while holding the lock: no process can start on it meanwhile
+                    if not dry_run:
+                        shutil.rmtree(part)
+                    removed.append(part)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+        return removed, busy
+
+
+def run_summary_problem(summary: Any) -> str | None:
+    """What is wrong with a run summary (as ``drafter runs`` reads it), or None."""
+    if not isinstance(summary, dict):
+        return "is not a JSON object"
+    for k, typ in (("run_id", str), ("status", str), ("started_at", str), ("stages", list),
+                   ("computed", list), ("reused", list)):
+        if not isinstance(summary.get(k), typ):
+            return f"has no valid `{k}`"
+    for i, s in enumerate(summary["stages"]):
+        if not isinstance(s, dict) or not all(k in s for k in ("stage", "key", "status", "seconds", "metrics")):
+            return f"has an invalid stages[{i}] entry"
+        if not isinstance(s["metrics"], dict) or not isinstance(s["seconds"], (int, float)):
+            return f"has an invalid stages[{i}] entry"
+        if s["status"] == "reused" and not isinstance(s.get("compute_seconds"), (int, float)):
+            return f"has an invalid stages[{i}] entry"
+    return None

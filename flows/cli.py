@@ -4,9 +4,16 @@
     drafter stage capture -c configs/demo.yaml          # one stage: the container entrypoint
     drafter plan -c configs/demo.yaml                   # stage keys and whether they are done
     drafter runs -c configs/demo.yaml [--json]          # stage table of the latest run
+    drafter clean -c configs/demo.yaml [--dry-run]      # remove partial directories no process works on
+
+Errors are one line, `error: …`, naming the file:line, key or value and what to do, and exit with
+2 for bad input (config, prompt files, an unknown stage, permission or decode errors), 1 for any
+other failure (a stage that failed, an inconsistent store). `release`, `stage` and `plan` run the
+preflight checks (:mod:`drafter.preflight`) before any stage starts.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,10 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from drafter.config import ReleaseConfig, load_config
-from drafter.errors import DrafterError
+from drafter.errors import BadInputError, ConfigError, DrafterError
 from drafter.pipeline import format_table, open_store, plan, run_stage
 from drafter.report import release_report
 from drafter.store import Store
+from flows.api_server import DEFAULT_STARTUP_TIMEOUT_S, TIMEOUT_ENV, exit_on_signals, prefect_api
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Release pipeline for speculative-decoding drafters.")
 console = Console()
@@ -32,34 +40,94 @@ SetOpt = typer.Option(None, "--set", "-s", help="Override a field: section.field
 StoreOpt = typer.Option(None, "--store", help="Store root (local path or fsspec URL); overrides store.root.")
 
 
-def _load(config: Path, profile: Optional[str], sets: Optional[list[str]], store: Optional[str]) -> ReleaseConfig:
+def _one_line(message: object) -> str:
+    """A message as one line: a multi-line one (several invalid fields) joined with '; '."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    out = lines[0] if lines else ""
+    for ln in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + ln
+    return out
+
+
+def _fail(message: object, code: int) -> None:
+    """Print `error: <one line>` to stderr and exit with ``code`` (no traceback)."""
+    typer.echo(f"error: {_one_line(message)}", err=True)
+    raise typer.Exit(code)
+
+
+def _exit_code(e: BaseException) -> int:
+    """2 for bad input (config, prompt files, permission or decode errors), 1 for other failures."""
+    return 2 if isinstance(e, (ConfigError, BadInputError, PermissionError, UnicodeError)) else 1
+
+
+def _cli_errors(fn):
+    """Every command: the pipeline's errors, an unknown stage, OS, permission and decode errors
+    become one `error: …` line and a non-zero exit instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DrafterError as e:
+            _fail(e, _exit_code(e))
+        except KeyError as e:  # drafter.stages / pipeline.plan: an unknown stage name
+            msg = str(e.args[0]) if e.args else ""
+            if not msg.startswith("unknown stage"):
+                raise
+            _fail(msg, 2)
+        except UnicodeDecodeError as e:
+            _fail(f"a file is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8", 2)
+        except OSError as e:
+            what = f"{e.filename}: " if e.filename else ""
+            _fail(f"{what}{e.strerror or e}; check the path and its permissions", _exit_code(e))
+
+    return wrapper
+
+
+def _load(config: Path, profile: Optional[str], sets: Optional[list[str]], store: Optional[str], *,
+          check: bool = False, stages: Optional[list[str]] = None, **preflight_kw) -> ReleaseConfig:
+    """Load the config; with ``check``, run the preflight checks for ``stages`` (every error: one line)."""
     overrides = list(sets or [])
     if store:
         overrides.append(f"store.root={store}")
     try:
-        return load_config(config, profile=profile, overrides=overrides)
+        cfg = load_config(config, profile=profile, overrides=overrides)
     except DrafterError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        msg = _one_line(e)
+        if msg.startswith("invalid config"):
+            msg += f"; fix the field in {config} or with --set section.field=value"
+        _fail(msg, 2)
+    if check:
+        from drafter.preflight import preflight
+
+        preflight(cfg, stages or None, **preflight_kw)
+    return cfg
 
 
 @app.command()
+@_cli_errors
 def release(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
             store: Optional[str] = StoreOpt,
             stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (and what they need)."),
+            prefect_startup_timeout: Optional[float] = typer.Option(
+                None, "--prefect-startup-timeout", metavar="SECONDS",
+                help=f"Start-up limit of the local Prefect API server started when PREFECT_API_URL is not set "
+                     f"(default ${TIMEOUT_ENV}, else {DEFAULT_STARTUP_TIMEOUT_S:.0f})."),
             ) -> None:
-    """Run the release flow (Prefect; ephemeral API unless PREFECT_API_URL is set)."""
-    cfg = _load(config, profile, set_, store)
+    """Run the release flow (Prefect: a local API server unless PREFECT_API_URL is set)."""
+    cfg = _load(config, profile, set_, store, check=True, stages=stage)
+    exit_on_signals()
     from flows.release import release as release_flow
 
     try:
-        summary = release_flow(config=cfg, stages=stage)
+        with prefect_api(prefect_startup_timeout):
+            summary = release_flow(config=cfg, stages=stage)
     except DrafterError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1)
+        _fail(e, _exit_code(e))
     except RuntimeError as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1)
+        if isinstance(e, typer.Exit):
+            raise
+        _fail(e, 1)
     _print_outputs(summary)
 
 
@@ -89,41 +157,80 @@ def _print_outputs(summary: dict) -> None:
 
 
 @app.command("stage")
+@_cli_errors
 def stage_cmd(name: str = typer.Argument(..., help="Stage name, e.g. capture."), config: Path = ConfigOpt,
               profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt, store: Optional[str] = StoreOpt) -> None:
     """Run one stage without Prefect (inputs must be in the store): the container entrypoint."""
-    cfg = _load(config, profile, set_, store)
+    cfg = _load(config, profile, set_, store, check=True, stages=[name], single=True, stages_source="the stage name")
+    exit_on_signals()
     try:
         result = run_stage(cfg, name)
     except KeyError as e:
-        console.print(f"[red]error:[/red] {e.args[0]}")
-        raise typer.Exit(2)
+        _fail(e.args[0], 2)
     except DrafterError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1)
+        _fail(e, _exit_code(e))
     console.print(result.line())
     console.print_json(json.dumps(result.metrics, default=str))
 
 
 @app.command("plan")
+@_cli_errors
 def plan_cmd(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
              store: Optional[str] = StoreOpt) -> None:
-    """Show every stage's key and whether its output is already in the store."""
-    cfg = _load(config, profile, set_, store)
+    """Show every stage's key and whether its output is already in the store; list leftover
+    partial directories that belong to no planned key (`drafter clean` removes them)."""
+    cfg = _load(config, profile, set_, store, check=True, check_outputs=False, check_lengths=False)
     st = open_store(cfg)
     t = Table(title=f"plan for {cfg.name} (store {cfg.store.root})")
     for col in ("stage", "key", "state", "output"):
         t.add_column(col)
-    for p in plan(cfg):
+    planned = plan(cfg)
+    for p in planned:
         try:
             state = "done" if st.find(p.stage.name, p.key) else ("partial (will resume)" if st.partial_dir(p.stage.name, p.key).is_dir() else "to compute")
         except DrafterError as e:
             state = f"[red]corrupt: {e}[/red]"
         t.add_row(p.stage.name, p.key, state, st.location(p.stage.name, p.key))
     console.print(t)
+    keys = {(p.stage.name, p.key) for p in planned}
+    leftover = [d for d in st.partials() if st.partial_owner(d) not in keys]
+    if leftover:
+        typer.echo(f"{len(leftover)} leftover partial director{'y' if len(leftover) == 1 else 'ies'} of no planned "
+                   "key (an interrupted run with another config); `drafter clean` removes them:")
+        for d in leftover:
+            busy = " (in use by a running process)" if st.partial_in_use(*st.partial_owner(d)) else ""
+            typer.echo(f"  {d}{busy}")
 
 
 @app.command()
+@_cli_errors
+def clean(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
+          store: Optional[str] = StoreOpt,
+          orphans: bool = typer.Option(False, "--orphans", help="Keep the partial directories of this config's planned "
+                                       "keys (a rerun resumes from them); remove only the others."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would be removed.")) -> None:
+    """Remove `.partial` directories that no process is working on (their lock is free).
+
+    A partial directory holds a failed or interrupted stage's checkpoints; a rerun of the same key
+    resumes from it, so remove it only when that run is abandoned (--orphans keeps this config's).
+    """
+    if store is not None or config.is_file():
+        cfg = _load(config, profile, set_, store)
+    else:
+        cfg = ReleaseConfig()
+    st = open_store(cfg)
+    keep = {(p.stage.name, p.key) for p in plan(cfg)} if orphans else set()
+    removed, busy = st.remove_partials(keep=keep, dry_run=dry_run)
+    for d in removed:
+        typer.echo(f"{'would remove' if dry_run else 'removed'} {d}")
+    for d in busy:
+        typer.echo(f"kept {d}: a running process holds its lock")
+    if not removed and not busy:
+        typer.echo(f"no partial directories to remove in store {st.root_url}")
+
+
+@app.command()
+@_cli_errors
 def runs(config: Path = ConfigOpt, store: Optional[str] = StoreOpt,
          as_json: bool = typer.Option(False, "--json", help="Print the latest run's summary as JSON (for automation)."),
          all_: bool = typer.Option(False, "--all", help="List every run, not only the latest.")) -> None:
@@ -136,7 +243,7 @@ def runs(config: Path = ConfigOpt, store: Optional[str] = StoreOpt,
             root, cache = cfg.store.root, cfg.store.cache_dir
         else:
             root = "store"
-    history = Store(root, cache).runs()
+    history = Store(root, cache).runs(warn=lambda msg: typer.echo(f"warning: {msg}", err=True))
     if not history:
         console.print(f"no runs recorded in store {root}")
         raise typer.Exit(1)

@@ -12,9 +12,11 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from drafter.config import ReleaseConfig, load_config
+from drafter.config import ReleaseConfig, config_from_dict, load_config
+from drafter.preflight import preflight
 from drafter.report import release_report
 from drafter.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
+from flows.api_server import reinstall_signal_handlers
 from tasks import for_stage
 
 
@@ -23,7 +25,7 @@ def resolve_config(config: ReleaseConfig | dict | None, config_path: str | None,
     if config_path:
         return load_config(config_path, profile=profile, overrides=overrides)
     if isinstance(config, dict):
-        return ReleaseConfig.model_validate(config)
+        return config_from_dict(config, source="(flow parameter `config`)")
     return config or ReleaseConfig()
 
 
@@ -47,7 +49,11 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
     Give either a `config` (the form) or a `config_path` to a YAML file (with optional `profile`
     and `overrides` like `generate.num_prompts=64`).
     """
+    reinstall_signal_handlers()  # `drafter release`: a signal ends the run at once (see flows/api_server.py)
     cfg = resolve_config(config, config_path, profile, overrides)
+    # everything that can be checked before the first stage starts (config across sections, prompt
+    # files, the store root, serving): a bad input fails here in seconds, not after data generation
+    preflight(cfg, stages)
     store = open_store(cfg)
     planned = plan(cfg, stages)
     run_id, started = new_run_id(), datetime.now(timezone.utc).isoformat()

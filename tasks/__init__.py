@@ -2,8 +2,9 @@
 
 A task run: computes the stage key from the config (also the Prefect cache key, results
 persisted), reuses or computes the output in the store, publishes a metrics table artifact.
-Retries use exponential backoff with jitter; configuration and store-integrity errors and a
-refusal of the release gate are not retried (they would fail the same way again).
+Retries use exponential backoff with jitter; errors that cannot change on a retry (configuration,
+bad input, permission and decode errors, store integrity, a refusal of the release gate:
+:func:`drafter.errors.is_permanent`) are not retried (they would fail the same way again).
 
 Also runnable without Prefect, as a container does: ``python -m tasks <stage> --config C --store S``.
 """
@@ -17,8 +18,7 @@ from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
 from drafter.config import ReleaseConfig
-from drafter.errors import ConfigError, StoreError
-from drafter.gate import GateRefused
+from drafter.errors import is_permanent
 from drafter.pipeline import plan, run_stage
 
 
@@ -34,12 +34,13 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 
 
 def _retry_condition(task, task_run, state) -> bool:
+    """Retry only what a retry can fix: errors that cannot change (bad config or input, permission and
+    decode errors, an inconsistent store, the gate's refusal; :func:`drafter.errors.is_permanent`)
+    fail at once. Transient ones (connection errors, timeouts, a server that died) are retried."""
     try:
         state.result()
-    except (ConfigError, StoreError, GateRefused):  # would fail the same way again
-        return False
-    except Exception:
-        return True
+    except Exception as e:  # noqa: BLE001 - classified, not handled
+        return not is_permanent(e)
     return True
 
 

@@ -156,7 +156,7 @@ def test_build_prompts_merges_files_and_rejects_duplicate_ids(tmp_path):
     convs = build_prompts(GenerateConfig(num_prompts=8, user_files=[str(f1)]))
     assert len(convs) == 9 and convs[-1].id == "a"
     assert [c.id for c in build_prompts(GenerateConfig(num_prompts=0, user_files=[str(f1)]))] == ["a"]
-    with pytest.raises(StageError, match=r"prompt id 'a' appears twice: in .*1\.jsonl and in .*2\.jsonl"):
+    with pytest.raises(StageError, match=r"prompt id 'a' appears twice: in .*1\.jsonl:1 and in .*2\.jsonl:1"):
         build_prompts(GenerateConfig(num_prompts=0, user_files=[str(f1), str(f2)]))
 
 

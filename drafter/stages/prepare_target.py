@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from drafter.config import ReleaseConfig
-from drafter.errors import StageError
+from drafter.errors import BadInputError, StageError
 from drafter.progress import progress
 from drafter.stage import Artifact, Metrics, Stage
 from drafter.store import sha256_file
@@ -116,7 +116,8 @@ def fingerprint(cfg: ReleaseConfig) -> dict | None:
         return None
     root = Path(c.path).expanduser()
     if not (root / "config.json").is_file():
-        raise StageError(f"prepare_target.path: {root} has no config.json (not a Hugging Face checkpoint directory)")
+        raise BadInputError(f"prepare_target.path: {root} has no config.json (not a Hugging Face checkpoint directory); "
+                            "point it at the checkpoint's directory")
     files = sorted(p for p in root.rglob("*") if p.is_file())
     return {"config_sha256": sha256_file(root / "config.json"),
             "files": [[p.relative_to(root).as_posix(), p.stat().st_size, int(p.stat().st_mtime)] for p in files]}
