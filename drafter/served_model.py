@@ -49,7 +49,9 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
     error listing them) unless ``allow_new_keys``. ``config_updates`` are merged into the copied
     ``config.json`` (e.g. a ``quantization_config``). Idempotent: an existing ``out`` is rebuilt.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from drafter.data import save_safetensors
 
     target_dir, drafter_file, out = Path(target_dir), Path(drafter_file), Path(out)
     index_path = target_dir / INDEX_NAME
@@ -77,7 +79,7 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
             os.symlink((target_dir / shard).resolve(), tmp / shard)
         elif len(stale) < len(keys):  # keep the shard's other tensors, without the replaced ones
             kept = {k: v for k, v in load_file(str(target_dir / shard)).items() if k not in replaced}
-            save_file(kept, str(tmp / shard), metadata={"format": "pt"})
+            save_safetensors(kept, str(tmp / shard), metadata={"format": "pt"})
     for item in target_dir.iterdir():
         if item.name in shards or item.name == INDEX_NAME or item.name == "config.json" or item.suffix == ".safetensors":
             continue

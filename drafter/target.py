@@ -266,13 +266,13 @@ def write_checkpoint(
     generation_config: dict | None = None,
 ) -> Path:
     """Write a sharded safetensors checkpoint (target shard + MTP shard + index), tokenizer, chat template."""
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt"}
-    save_file(base, str(out_dir / BASE_SHARD), metadata=meta)
-    save_file(mtp, str(out_dir / MTP_SHARD), metadata=meta)
+    save_safetensors(base, str(out_dir / BASE_SHARD), metadata=meta)
+    save_safetensors(mtp, str(out_dir / MTP_SHARD), metadata=meta)
     for shard in (BASE_SHARD, MTP_SHARD):
         os.chmod(out_dir / shard, 0o644)  # readable by a serving container running as another user
     total = sum(t.numel() * t.element_size() for t in list(base.values()) + list(mtp.values()))

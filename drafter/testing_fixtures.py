@@ -85,7 +85,7 @@ def make_tiny_deepseek_v3_mtp(out_dir: Path, *, seed: int = 0, **config_kw) -> t
     BF16 rounding), for comparing a dequantized load against.
     """
     import torch
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     from drafter.models.layouts import DeepSeekV3Layout, quantize_fp8_blocks
 
@@ -119,7 +119,7 @@ def make_tiny_deepseek_v3_mtp(out_dir: Path, *, seed: int = 0, **config_kw) -> t
         else:
             dst[name] = t.to(torch.bfloat16)
     for shard, tensors in zip(V3_SHARDS, (base, mtp)):
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / shard), metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / shard), metadata={"format": "pt"})
     weight_map = {k: V3_SHARDS[0] for k in sorted(base)} | {k: V3_SHARDS[1] for k in sorted(mtp)}
     total = sum(v.numel() * v.element_size() for v in list(base.values()) + list(mtp.values()))
     (out_dir / "model.safetensors.index.json").write_text(

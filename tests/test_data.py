@@ -122,3 +122,28 @@ def test_bad_messages_name_the_row(tokenizer):
         tokenize_conversation(tokenizer, [], row_id="r1")
     with pytest.raises(StageError, match=r"row 'r2': message 1 has no 'role'"):
         tokenize_conversation(tokenizer, [{"role": "user", "content": "x"}, {"content": "y"}], row_id="r2")
+
+
+def test_save_safetensors_gives_the_same_bytes_in_every_process(tmp_path):
+    """safetensors' own save_file writes its metadata map in a per-process random order (so a
+    resumed training wrote a different file than an uninterrupted one); save_safetensors sorts it."""
+    import subprocess
+    import sys
+
+    import torch
+
+    code = ("import sys, torch; from drafter.data import save_safetensors; from safetensors.torch import save_file; "
+            "t = {'w': torch.arange(12, dtype=torch.float32).reshape(3, 4), 'b': torch.ones(2, dtype=torch.bfloat16)}; "
+            "meta = {k: str(i) for i, k in enumerate(['format', 'layout', 'step', 'loss', 'seed', 'zeta'])}; "
+            "save_safetensors(t, sys.argv[1] + '.ours', metadata=meta); save_file(t, sys.argv[1] + '.plain', metadata=meta)")
+    outs = [tmp_path / f"run{i}" for i in range(4)]
+    for o in outs:
+        subprocess.run([sys.executable, "-c", code, str(o)], check=True)
+    ours = {(tmp_path / f"run{i}.ours").read_bytes() for i in range(4)}
+    plain = {(tmp_path / f"run{i}.plain").read_bytes() for i in range(4)}
+    assert len(ours) == 1
+    assert len(plain) > 1  # what the fix is for: 6 metadata keys, 720 orders — 4 processes all alike is 1 in 3.7e8
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "run0.ours"), load_file(tmp_path / "run0.plain")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

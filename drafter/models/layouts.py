@@ -374,7 +374,7 @@ def save_drafter(
     """
     import fnmatch
 
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     out_path = Path(out_path)
     state = {k: v for k, v in drafter.state_dict().items()}
@@ -393,10 +393,7 @@ def save_drafter(
         if not torch.isfinite(t.float()).all():
             raise StageError(f"save_drafter: tensor {k} has NaN/inf values; refusing to write {out_path}")
         out[k] = t.contiguous().clone()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + f".tmp-{os.getpid()}")
-    save_file(out, str(tmp), metadata={"format": "pt", "layout": layout.name})
-    os.replace(tmp, out_path)
+    save_safetensors(out, out_path, metadata={"format": "pt", "layout": layout.name})  # atomic, same bytes every time
     return out_path
 
 

@@ -40,12 +40,12 @@ def _fp8_tensors(name: str, w: np.ndarray, block, rule: str, v4: bool) -> dict[s
 
 
 def _write(out_dir: Path, config: dict, shards: dict[str, dict[str, torch.Tensor]]) -> None:
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     wm, total = {}, 0
     for fname, tensors in shards.items():
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / fname), metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / fname), metadata={"format": "pt"})
         for k, v in tensors.items():
             wm[k] = fname
             total += v.numel() * v.element_size()
@@ -196,10 +196,10 @@ def write_standin_release(target_dir: Path, released: Path, out_dir: Path, rule:
                 tensors[k] = w
             else:
                 tensors[k] = w.to(torch.bfloat16)
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / STANDIN_SHARD), metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / STANDIN_SHARD), metadata={"format": "pt"})
     wm = dict(index["weight_map"])
     for k in tensors:
         wm[k] = STANDIN_SHARD

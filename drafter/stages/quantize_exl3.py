@@ -107,9 +107,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             "requested_bits": c.bits, "recipe": plan.recipe, "convert_seconds": round(convert_s, 1)}
     report = exl3.error_report(pres, plan, checked, dequant, why_not, exl3.parse_converter_log(lines), meta)
 
-    from safetensors.torch import save_file
+    from drafter.data import save_safetensors
 
-    save_file({rel: tensors[rel].detach().to("cpu").bfloat16().contiguous() for rel in pres.not_converted},
+    save_safetensors({rel: tensors[rel].detach().to("cpu").bfloat16().contiguous() for rel in pres.not_converted},
               str(dest / "mtp-input-layer.safetensors"), metadata={"format": "pt", "layout": layout.name})
     (dest / "names.json").write_text(json.dumps(pres.to_json(), indent=2))
     (dest / ERROR_JSON).write_text(json.dumps(report, indent=2))
