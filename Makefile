@@ -18,7 +18,7 @@ quick: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) --profile quick
 
 test: envs
-	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) -m pytest -q tests
+	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) -m pytest -q --durations=15 tests
 
 envs: env serve-env
 

@@ -376,7 +376,10 @@ class QuantizeExl3Config(Section):
     overrides: dict[str, float] = Field(
         default_factory=lambda: {"eh_proj": 6.0},
         description="Per-tensor bits by name pattern (fnmatch on the release name, or a substring), e.g. {eh_proj: 6}.")
-    python: str | None = Operational(None, description="Python of a CUDA environment with exllamav3; default: this one.")
+    # keyed, unlike serving.python: this environment decides whether the EXL3 form exists at all (a
+    # stage recorded as skipped for want of CUDA must run again when pointed at a CUDA environment)
+    python: str | None = Field(None, description="Python of a CUDA environment with exllamav3; default: this one. "
+                               "Part of the stage key: whether the EXL3 form can be produced depends on it.")
     codebook: Literal["mul1", "mcg", "3inst"] = Field("mul1", description="exllamav3 trellis codebook (`--codebook`).")
     cal_rows: int = Field(250, ge=1, description="Calibration rows of exllamav3's built-in corpus (`--cal_rows`).")
     cal_cols: int = Field(2048, ge=16, description="Tokens per calibration row (`--cal_cols`).")

@@ -148,7 +148,7 @@ def _write_config(path: Path, target: Path, store: Path) -> Path:
         "store": {"root": str(store)},
         "prepare_target": {"source": "path", "path": str(target)},
         "serving": {"backend": "vllm", "dtype": "float32", "max_model_len": 1024},
-        "generate": {"num_prompts": 48, "max_tokens": 24, "shard_size": 2, "concurrency": 2},
+        "generate": {"num_prompts": 32, "max_tokens": 16, "shard_size": 2, "concurrency": 2},
         "capture": {"shard_tokens": 128, "batch_tokens": 128, "layers": [0, 1, 2, 3]},
         "train": {"k_steps": 2, "window": 64, "micro_batch": 2, "max_steps": 12, "warmup_steps": 1,
                   "checkpoint_every": 2, "eval_every": 100, "eval_windows": 2},

@@ -237,7 +237,7 @@ BRIEF_OPERATIONAL = {
     "serving": {"env", "python", "startup_timeout_s", "host", "port", "api_key_env"},
     "generate": {"request_timeout_s", "max_retries", "retry_backoff_s"},
     "capture": {"min_free_margin"},
-    "quantize_exl3": {"python", "timeout_s"},
+    "quantize_exl3": {"timeout_s"},  # its python is keyed: it decides whether the EXL3 form exists
     "ab_live": {"request_timeout_s"},
 }
 
