@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from drafter import procs
+from drafter.serving import free_port
 from drafter.errors import DrafterError
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -62,12 +62,6 @@ def startup_timeout(option: float | None = None) -> float:
     if not value > 0:
         raise PrefectStartupError(f"{source}={value} must be a positive number of seconds")
     return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(api_url: str) -> bool:
@@ -106,7 +100,7 @@ def prefect_api(timeout_s: float | None = None) -> Iterator[str]:
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         while True:
-            port = _free_port()
+            port = free_port()
             api = f"http://127.0.0.1:{port}/api"
             proc = procs.spawn(_server_command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
             while not _healthy(api):
