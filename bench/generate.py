@@ -2,7 +2,7 @@
 
 Both backends regenerate the same built-in prompts (all assistant turns, multi-turn included) with
 the same sampling settings, through the same code path as the `generate` stage
-(:func:`drafter.generate.generate_dataset`). Reported tok/s counts generated tokens over the
+(:func:`drafter.data.generate.generate_dataset`). Reported tok/s counts generated tokens over the
 generation wall time (engine start-up excluded, shown separately). Both run in float32 (vLLM's
 ``dtype: auto`` would downcast to bfloat16 on CPU), so greedy outputs are also compared.
 
@@ -23,15 +23,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.config import GenerateConfig, ServingConfig  # noqa: E402
-from drafter.data import iter_rows  # noqa: E402
-from drafter.generate import OpenAIChatBackend, TransformersBackend, generate_dataset  # noqa: E402
-from drafter.prompts import builtin_prompts  # noqa: E402
+from drafter.core.config import GenerateConfig, ServingConfig  # noqa: E402
+from drafter.core.files import iter_rows  # noqa: E402
+from drafter.data.generate import OpenAIChatBackend, TransformersBackend, generate_dataset  # noqa: E402
+from drafter.data.prompts import builtin_prompts  # noqa: E402
 
 
 def embedded_target(cache: Path) -> Path:
     """The embedded SmolLM2-135M-Instruct re-expressed as GLM-4-MoE + MTP (built once, cached)."""
-    from drafter.target import load_original, reexpress_as_glm4_moe_mtp
+    from drafter.models.target import load_original, reexpress_as_glm4_moe_mtp
 
     model_dir = cache / "embedded-target"
     if not (model_dir / "config.json").is_file():
@@ -45,7 +45,7 @@ def embedded_target(cache: Path) -> Path:
 
 
 def tiny_target(cache: Path) -> Path:
-    from drafter.testing import make_tiny_target
+    from tests.helpers.targets import make_tiny_target
 
     model_dir = cache / "tiny-target"
     if not (model_dir / "config.json").is_file():
@@ -62,7 +62,7 @@ def run_backend(name: str, model_dir: Path, convs, cfg: GenerateConfig, work: Pa
         startup = time.monotonic() - t0
         summary = generate_dataset(convs, backend, out, cfg, target={"name": str(model_dir)})
     else:
-        from drafter.serving import serve
+        from drafter.serving.server import serve
 
         with serve(model_dir, serving, log_path=work / "vllm.log") as srv:
             startup = time.monotonic() - t0

@@ -2,7 +2,7 @@
 
 Serves the target twice with the same settings — without speculation, then with the drafter
 (``--speculative-config {"method": "mtp", "num_speculative_tokens": K}``) — and replays the same
-held-out turns through the `ab_live` code path (:func:`drafter.ab_live.measure`). Reports tok/s of
+held-out turns through the `ab_live` code path (:func:`drafter.evaluation.ab_live.measure`). Reports tok/s of
 both, their ratio, τ from vLLM's counters, and the figure to beat: τ / (1 + K·draft_cost), the
 speedup if verifying K+1 tokens cost what decoding one does (only drafting costs extra).
 ``draft_cost`` (one draft step / one target decode step) is measured here with transformers on the
@@ -36,19 +36,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.ab_live import ab_serving, measure, replay_turns  # noqa: E402
-from drafter.config import ServingConfig, load_config  # noqa: E402
-from drafter.data import iter_rows  # noqa: E402
-from drafter.pipeline import stage_output  # noqa: E402
+from drafter.evaluation.ab_live import ab_serving, measure, replay_turns  # noqa: E402
+from drafter.core.config import ServingConfig, load_config  # noqa: E402
+from drafter.core.files import iter_rows  # noqa: E402
+from drafter.core.pipeline import stage_output  # noqa: E402
 from drafter.models import TRAINED_NAME  # noqa: E402
-from drafter.prompts import builtin_prompts  # noqa: E402
-from drafter.served_model import drafter_model_dir  # noqa: E402
-from drafter.serving import serve, serving_python  # noqa: E402
+from drafter.data.prompts import builtin_prompts  # noqa: E402
+from drafter.serving.served_model import drafter_model_dir  # noqa: E402
+from drafter.serving.server import serve, serving_python  # noqa: E402
 
 
 def from_config(cfg) -> tuple[Path, Path, Path]:
     """(target dir, fine-tuned drafter file, generate dir): the store outputs of ``cfg`` itself."""
-    from drafter.target import target_dir
+    from drafter.models.target import target_dir
 
     train = stage_output(cfg, "train")
     if not (train / TRAINED_NAME).is_file():
@@ -59,7 +59,7 @@ def from_config(cfg) -> tuple[Path, Path, Path]:
 
 def from_run(store: Path, run_id: str) -> tuple[Path, Path | None, Path | None]:
     """(target dir, fine-tuned drafter file, generate dir) of run ``run_id`` of ``store``."""
-    from drafter.target import target_dir
+    from drafter.models.target import target_dir
 
     run = store / "runs" / f"{run_id}.json"
     if not run.is_file():
@@ -75,7 +75,7 @@ def prompts(gen_dir: Path | None, n: int):
     """Held-out agent turns of a generate output, else the first user turn of the built-in prompts."""
     if gen_dir is not None:
         return replay_turns(iter_rows(gen_dir / "shards"), n)[0]
-    from drafter.ab_live import ReplayTurn
+    from drafter.evaluation.ab_live import ReplayTurn
 
     convs = builtin_prompts(n, seed=0)
     return [ReplayTurn(c.id, c.domain, 1, [m for m in c.messages[:1]]) for c in convs][:n]
@@ -86,7 +86,7 @@ def measure_draft_cost(model_dir: Path, drafter_file: Path | None, context: int 
     import torch
 
     from drafter.models import layout_for, load_drafter
-    from drafter.target import load_reexpressed
+    from drafter.models.target import load_reexpressed
 
     target = load_reexpressed(model_dir)
     drafter = load_drafter(model_dir, layout_for(model_dir), weights=drafter_file).eval()

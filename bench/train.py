@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter import losses as L  # noqa: E402
-from drafter.config import TrainConfig  # noqa: E402
+from drafter.core.config import TrainConfig  # noqa: E402
 from drafter.models import freeze, layout_for, load_drafter  # noqa: E402
-from drafter.target import read_tensor  # noqa: E402
-from drafter.train import window_loss  # noqa: E402
-from drafter.windows import Window, load_windows  # noqa: E402
+from drafter.models.target import read_tensor  # noqa: E402
+from drafter.training.loop import window_loss  # noqa: E402
+from drafter.data.windows import Window, load_windows  # noqa: E402
 
 
 def peak_rss_mb() -> float:
@@ -53,7 +53,7 @@ def main() -> None:
     target, capture = find_demo()
     target, capture = args.target or target, args.capture or capture
     if target is None:
-        from drafter.testing import make_tiny_target
+        from tests.helpers.targets import make_tiny_target
 
         target = make_tiny_target(Path("/tmp/drafter-bench-tiny/model"))
         capture = None

@@ -5,7 +5,7 @@ subprocess) with a 20 s start-up limit. On a machine where Prefect never ran, th
 creates its database, which on two busy cores takes longer, and the run died before doing anything;
 that server also outlived a killed run. :func:`prefect_api` starts the same server itself instead:
 
-* under :func:`drafter.procs.spawn`, so it dies with the run on any signal, SIGKILL included;
+* under :func:`drafter.core.procs.spawn`, so it dies with the run on any signal, SIGKILL included;
 * with a start-up limit that the user sets (``--prefect-startup-timeout`` or
   ``DRAFTER_PREFECT_STARTUP_TIMEOUT``; default :data:`DEFAULT_STARTUP_TIMEOUT_S`), and an error
   that says what to set when it is exceeded;
@@ -35,9 +35,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from drafter import procs
-from drafter.serving import free_port
-from drafter.errors import DrafterError
+from drafter.core import procs
+from drafter.serving.server import free_port
+from drafter.core.errors import DrafterError
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "DRAFTER_PREFECT_STARTUP_TIMEOUT"
@@ -167,7 +167,7 @@ def _to_stderr(msg: str) -> None:
 
 
 def exit_on_signals(echo=_to_stderr) -> None:
-    """SIGTERM / SIGINT / SIGHUP end this process at once (children die with it, see drafter.procs).
+    """SIGTERM / SIGINT / SIGHUP end this process at once (children die with it, see drafter.core.procs).
 
     For the command line only: a flow run started by a Prefect worker keeps Prefect's own handling
     (cancellation from the UI arrives as SIGTERM there). During a flow run Prefect swaps in its own

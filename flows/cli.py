@@ -9,7 +9,7 @@
 Errors are one line, `error: …`, naming the file:line, key or value and what to do, and exit with
 2 for bad input (config, prompt files, an unknown stage, permission or decode errors), 1 for any
 other failure (a stage that failed, an inconsistent store). `release`, `stage` and `plan` run the
-preflight checks (:mod:`drafter.preflight`) before any stage starts.
+preflight checks (:mod:`drafter.data.preflight`) before any stage starts.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from drafter.config import ReleaseConfig, load_config
-from drafter.errors import BadInputError, ConfigError, DrafterError
-from drafter.pipeline import format_table, open_store, plan, run_stage
-from drafter.report import release_report
-from drafter.store import Store
+from drafter.core.config import ReleaseConfig, load_config
+from drafter.core.errors import BadInputError, ConfigError, DrafterError
+from drafter.core.pipeline import format_table, open_store, plan, run_stage
+from drafter.evaluation.report import release_report
+from drafter.core.store import Store
 from flows.api_server import DEFAULT_STARTUP_TIMEOUT_S, TIMEOUT_ENV, exit_on_signals, prefect_api
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Release pipeline for speculative-decoding drafters.")
@@ -98,7 +98,7 @@ def _load(config: Path, profile: Optional[str], sets: Optional[list[str]], store
             msg += f"; fix the field in {config} or with --set section.field=value"
         _fail(msg, 2)
     if check:
-        from drafter.preflight import preflight
+        from drafter.data.preflight import preflight
 
         preflight(cfg, stages or None, **preflight_kw)
     return cfg

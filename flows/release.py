@@ -12,10 +12,10 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from drafter.config import ReleaseConfig, config_from_dict, load_config
-from drafter.preflight import preflight
-from drafter.report import release_report
-from drafter.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
+from drafter.core.config import ReleaseConfig, config_from_dict, load_config
+from drafter.data.preflight import preflight
+from drafter.evaluation.report import release_report
+from drafter.core.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
 from flows.api_server import reinstall_signal_handlers
 from tasks import for_stage
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from prefect import flow
 
-from drafter.config import ReleaseConfig
-from drafter.errors import ConfigError
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import ConfigError
 from flows.release import release, resolve_config
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import flow
 
-from drafter.config import ReleaseConfig
+from drafter.core.config import ReleaseConfig
 from drafter.stages import ORDER
 from flows.release import resolve_config
 from tasks import for_stage

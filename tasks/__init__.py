@@ -1,10 +1,10 @@
-"""Prefect tasks: one module per stage, each a thin wrapper of ``drafter.pipeline.run_stage``.
+"""Prefect tasks: one module per stage, each a thin wrapper of ``drafter.core.pipeline.run_stage``.
 
 A task run: computes the stage key from the config (also the Prefect cache key, results
 persisted), reuses or computes the output in the store, publishes a metrics table artifact.
 Retries use exponential backoff with jitter; errors that cannot change on a retry (configuration,
 bad input, permission and decode errors, store integrity, a refusal of the release gate:
-:func:`drafter.errors.is_permanent`) are not retried (they would fail the same way again).
+:func:`drafter.core.errors.is_permanent`) are not retried (they would fail the same way again).
 
 Also runnable without Prefect, as a container does: ``python -m tasks <stage> --config C --store S``.
 """
@@ -17,9 +17,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
-from drafter.config import ReleaseConfig
-from drafter.errors import is_permanent
-from drafter.pipeline import plan, run_stage
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import is_permanent
+from drafter.core.pipeline import plan, run_stage
 
 
 def _key_for(cfg: ReleaseConfig, name: str) -> str:
@@ -35,7 +35,7 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 
 def _retry_condition(task, task_run, state) -> bool:
     """Retry only what a retry can fix: errors that cannot change (bad config or input, permission and
-    decode errors, an inconsistent store, the gate's refusal; :func:`drafter.errors.is_permanent`)
+    decode errors, an inconsistent store, the gate's refusal; :func:`drafter.core.errors.is_permanent`)
     fail at once. Transient ones (connection errors, timeouts, a server that died) are retried."""
     try:
         state.result()

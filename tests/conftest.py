@@ -30,6 +30,6 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random target checkpoint in the embedded target's format (built once)."""
-    from drafter.testing import make_tiny_target
+    from tests.helpers.targets import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target") / "model")

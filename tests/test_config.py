@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter.config import ReleaseConfig, load_config
-from drafter.errors import ConfigError
+from drafter.core.config import ReleaseConfig, load_config
+from drafter.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_every_field_has_a_description():
 
 
 def test_ab_live_server_args_are_checked_and_key_only_the_ab(tmp_path):
-    from drafter.stage import stage_key
+    from drafter.core.stage import stage_key
     from drafter.stages import ab_live, generate
 
     with pytest.raises(ConfigError, match=r"ab_live\.server_args.*--speculative-config"):

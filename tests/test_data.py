@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from drafter.data import (
+from drafter.core.files import (
     atomic_path, iter_jsonl, iter_rows, list_shards, read_jsonl, remove_partial_files, shard_index, shard_name,
     tokenize_conversation, write_jsonl_atomic,
 )
-from drafter.errors import StageError
+from drafter.core.errors import StageError
 
 
 def test_shard_names_roundtrip(tmp_path):
@@ -132,7 +132,7 @@ def test_save_safetensors_gives_the_same_bytes_in_every_process(tmp_path):
 
     import torch
 
-    code = ("import sys, torch; from drafter.data import save_safetensors; from safetensors.torch import save_file; "
+    code = ("import sys, torch; from drafter.core.files import save_safetensors; from safetensors.torch import save_file; "
             "t = {'w': torch.arange(12, dtype=torch.float32).reshape(3, 4), 'b': torch.ones(2, dtype=torch.bfloat16)}; "
             "meta = {k: str(i) for i, k in enumerate(['format', 'layout', 'step', 'loss', 'seed', 'zeta'])}; "
             "save_safetensors(t, sys.argv[1] + '.ours', metadata=meta); save_file(t, sys.argv[1] + '.plain', metadata=meta)")

@@ -1,7 +1,7 @@
 """The README's configuration reference is generated from the config models and must be current."""
 from pathlib import Path
 
-from drafter.docs import BEGIN, END, reference
+from drafter.core.docs import BEGIN, END, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_readme_config_reference_is_current():
     text = (ROOT / "README.md").read_text()
     block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert block == reference().strip(), "README config reference is stale: run `.venv/bin/python -m drafter.docs --write`"
+    assert block == reference().strip(), "README config reference is stale: run `.venv/bin/python -m drafter.core.docs --write`"
 
 
 def test_readme_states_the_two_commands_first():

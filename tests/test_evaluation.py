@@ -1,6 +1,6 @@
 """Offline acceptance evaluation: the three rules on hand-computed p/q tables, a drafter equal to the
 target accepts everything, cluster-bootstrap intervals, the recommended K, and the `eval_offline`
-stage on a tiny target + tiny capture (cross-checked against drafter.acceptance)."""
+stage on a tiny target + tiny capture (cross-checked against drafter.evaluation.acceptance)."""
 from __future__ import annotations
 
 import json
@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from drafter.acceptance import acceptance, rule_alphas, summarize
-from drafter.config import config_from_dict
-from drafter.data import write_jsonl_atomic
-from drafter.errors import StageError
-from drafter.evaluation import (cluster_means, conversation_labels, evaluate, expected_speedup, heldout_alphas,
+from drafter.evaluation.acceptance import acceptance, rule_alphas, summarize
+from drafter.core.config import config_from_dict
+from drafter.core.files import write_jsonl_atomic
+from drafter.core.errors import StageError
+from drafter.evaluation.offline import (cluster_means, conversation_labels, evaluate, expected_speedup, heldout_alphas,
                                 recommend_k, resample_counts, row_mode, rule_summary)
 from drafter.models import TRAINED_NAME, EmbeddedGlm4MoeLayout, load_drafter, save_drafter
-from drafter.stage import Artifact
-from drafter.target import read_tensor, write_target_json
-from drafter.windows import Window, load_windows
+from drafter.core.stage import Artifact
+from drafter.models.target import read_tensor, write_target_json
+from drafter.data.windows import Window, load_windows
 
 # --------------------------------------------------------------------------- hand-computed tables
 
@@ -207,7 +207,7 @@ def test_labels_domain_and_mode():
 
 def test_evaluate_groups_by_domain_and_mode():
     a, cl = clustered(6, seed=5, per=4, K=2)
-    from drafter.evaluation import HeldoutAlphas
+    from drafter.evaluation.offline import HeldoutAlphas
 
     convs = [f"r{i}" for i in range(6)]
     held = HeldoutAlphas(convs, cl, {"baseline": {r: a for r in ("t0", "t1_greedy", "t1_prob")},

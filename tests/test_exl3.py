@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
 from drafter.quant import exl3
 from drafter.stages.quantize_exl3 import drafter_presentation
@@ -111,7 +111,7 @@ def test_bits_plan_rejects_bad_settings(presented, bits, head, overrides, match)
 
 
 def test_config_section_rejects_rates_exllamav3_lacks():
-    from drafter.config import ConfigError, config_from_dict
+    from drafter.core.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=r"quantize_exl3\.overrides"):
         config_from_dict({"quantize_exl3": {"overrides": {"eh_proj": 5.5}}})
@@ -155,7 +155,7 @@ def test_probe_of_this_cpu_machine():
 
 
 def _seeded_store(tiny_target, tmp_path, **exl3_cfg):
-    from drafter.pipeline import open_store, plan, run_stage
+    from drafter.core.pipeline import open_store, plan, run_stage
 
     cfg = ReleaseConfig(store={"root": str(tmp_path / "store")},
                         prepare_target={"source": "path", "path": str(tiny_target)}, quantize_exl3=exl3_cfg)
@@ -173,7 +173,7 @@ def _seeded_store(tiny_target, tmp_path, **exl3_cfg):
 
 
 def test_stage_is_skipped_on_cpu_with_the_probe_finding(tiny_target, tmp_path):
-    from drafter.pipeline import run_stage
+    from drafter.core.pipeline import run_stage
 
     cfg, store = _seeded_store(tiny_target, tmp_path)
     r = run_stage(cfg, "quantize_exl3", store)
@@ -196,7 +196,7 @@ def test_stage_is_skipped_on_cpu_with_the_probe_finding(tiny_target, tmp_path):
 
 
 def test_stage_fails_on_a_bad_override_even_without_cuda(tiny_target, tmp_path):
-    from drafter.pipeline import run_stage
+    from drafter.core.pipeline import run_stage
 
     cfg, store = _seeded_store(tiny_target, tmp_path, overrides={"eh_projj": 6})
     with pytest.raises(StageError, match=r"overrides\['eh_projj'\] matches no drafter tensor"):

@@ -43,7 +43,7 @@ def test_release_flow_retries_transient_failure(prefect_harness, toy):
 
 def test_release_flow_failure_is_summarized(prefect_harness, toy):
     from flows.release import release
-    from drafter.pipeline import open_store
+    from drafter.core.pipeline import open_store
 
     FAIL_ONCE["on"] = True
     with pytest.raises(RuntimeError, match="failed at b"):
@@ -68,7 +68,7 @@ def test_cli_stage_plan_runs_json(toy, tmp_path):
     res = r.invoke(app, ["stage", "a", "-c", str(cfg_path), "--set", "generate.top_p=3"])
     assert res.exit_code == 2 and "generate.top_p" in res.output
     # runs --json prints the latest run's summary for automation
-    from drafter.pipeline import run_all
+    from drafter.core.pipeline import run_all
     run_all(toy, echo=lambda *_: None)
     res = r.invoke(app, ["runs", "-c", str(cfg_path), "--json"])
     data = json.loads(res.stdout)
@@ -135,7 +135,7 @@ def test_release_flow_against_prefect_server(toy, tmp_path):
         script = (
             "import sys; from drafter import stages as r; from tests.test_store import TOY\n"
             "r.ORDER = tuple(TOY); r.get = lambda n: TOY[n]\n"
-            "from drafter.config import ReleaseConfig; from flows.release import release\n"
+            "from drafter.core.config import ReleaseConfig; from flows.release import release\n"
             f"s = release(config=ReleaseConfig(store={{'root': {str(tmp_path / 'st')!r}}}, retries=0))\n"
             "print('STATUS', ','.join(x['status'] for x in s['stages']))\n"
         )

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from drafter.quant import fp8 as F
 from drafter.quant.dropin import DROPIN_NAME, build_dropin, check_dropin
-from drafter.quant.fixtures import make_v3_release, make_v4_release
+from tests.helpers.fp8_releases import make_v3_release, make_v4_release
 from drafter.quant.reference import quantize_ref
 from drafter.quant.release import open_release
 from drafter.quant.verify import check_tensor, self_check

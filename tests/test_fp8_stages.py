@@ -8,19 +8,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError
 from drafter.models import TRAINED_NAME
 from drafter.quant.dropin import DROPIN_NAME
-from drafter.stage import Artifact
+from drafter.core.stage import Artifact
 from drafter.stages import quantize_fp8, verify_fp8
 from drafter.stages.verify_fp8 import unsupported_reason
-from drafter.target import MTP_SHARD
+from drafter.models.target import MTP_SHARD
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from drafter.testing import make_tiny_target
+    from tests.helpers.targets import make_tiny_target
 
     root = tmp_path_factory.mktemp("fp8stage")
     model = make_tiny_target(root / "pt" / "model", hidden_size=160, intermediate_size=192)
@@ -124,7 +124,7 @@ def test_vllm_loads_the_dropin_or_says_why_not(tiny, tmp_path):
 
 
 def test_non_fp8_release_without_bootstrap_skips_both_stages(tiny, tmp_path):
-    from drafter.errors import StageSkipped
+    from drafter.core.errors import StageSkipped
 
     inputs = _inputs(tiny) | {"bootstrap_drafter": Artifact("bootstrap_drafter", "b", tiny / "boot", {"status": "skipped"})}
     with pytest.raises(StageSkipped, match="not FP8"):

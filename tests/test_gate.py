@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from drafter.config import GateConfig, config_from_dict
-from drafter.data import write_json_atomic
-from drafter.errors import StageError
-from drafter.gate import GateRefused, gate_decision, gate_report, offline_rule
-from drafter.stage import Artifact
+from drafter.core.config import GateConfig, config_from_dict
+from drafter.core.files import write_json_atomic
+from drafter.core.errors import StageError
+from drafter.evaluation.gate import GateRefused, gate_decision, gate_report, offline_rule
+from drafter.core.stage import Artifact
 from drafter.stages import gate as gate_stage
 
 

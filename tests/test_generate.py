@@ -11,18 +11,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from drafter.config import GenerateConfig, config_from_dict
-from drafter.data import iter_rows, list_shards
-from drafter.errors import StageError
-from drafter.generate import (
+from drafter.core.config import GenerateConfig, config_from_dict
+from drafter.core.files import iter_rows, list_shards
+from drafter.core.errors import StageError
+from drafter.data.generate import (
     OpenAIChatBackend,
     generate_dataset,
     request_seed,
     template_supports_thinking,
     thinking_modes,
 )
-from drafter.prompts import builtin_prompts
-from drafter.stage import Artifact
+from drafter.data.prompts import builtin_prompts
+from drafter.core.stage import Artifact
 
 TARGET = {"name": "fake/target", "revision": "abc123", "chat_template_sha256": "0" * 64}
 
@@ -237,7 +237,7 @@ def test_stage_fails_when_too_many_requests_fail(tmp_path):
 
 
 def _target_artifact(tmp_path: Path, model_dir: Path) -> Artifact:
-    from drafter.target import write_target_json
+    from drafter.models.target import write_target_json
 
     d = tmp_path / "prepare_target"
     d.mkdir()
@@ -313,9 +313,9 @@ def test_thinking_switch_detected_from_template_and_used(tmp_path, tiny_target):
 
 @pytest.mark.slow
 def test_vllm_serve_and_generate_on_tiny_target(tmp_path, tiny_target):
-    """Real vLLM (serving env subprocess via drafter.serving) on the tiny target. In float32 its greedy
+    """Real vLLM (serving env subprocess via drafter.serving.server) on the tiny target. In float32 its greedy
     turns, token ids and prompt token ids equal the transformers backend's, multi-turn included."""
-    from drafter.serving import serving_python
+    from drafter.serving.server import serving_python
     from drafter.stages.generate import STAGE
 
     if not Path(serving_python()).exists():

@@ -161,8 +161,8 @@ def _write_config(path: Path, target: Path, store: Path) -> Path:
 def lifecycle(tmp_path_factory):
     """A target big enough for each stage to be caught mid-way, a shared PREFECT_HOME, and the
     reference: the same release run once without interruption."""
-    from drafter.serving import serving_python
-    from drafter.testing import make_tiny_target
+    from drafter.serving.server import serving_python
+    from tests.helpers.targets import make_tiny_target
 
     if not Path(serving_python()).exists():
         pytest.fail(f"serving env python {serving_python()} is missing: run `make env` (these tests need vLLM)")

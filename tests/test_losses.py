@@ -4,10 +4,7 @@ import math
 import pytest
 import torch
 
-from drafter import losses as L
-
-
-
+from drafter.training import losses as L
 def direct(pl, ql):
     """Direct per-row formulas in float64 with Python loops over the vocabulary."""
     out = []

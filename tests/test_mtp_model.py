@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafter.errors import StageError
+from drafter.core.errors import StageError
 from drafter.models import (
     DEFAULT_FROZEN,
     DeepSeekV3Layout,
@@ -24,7 +24,7 @@ from drafter.models import (
     load_drafter,
     save_drafter,
 )
-from drafter.target import MTP_SHARD
+from drafter.models.target import MTP_SHARD
 
 GLM = EmbeddedGlm4MoeLayout()
 V3 = DeepSeekV3Layout()
@@ -318,7 +318,7 @@ def test_several_layers_chain_and_one_layer_is_reused(random_mtp_target):
 
 
 def test_deepseek_v3_recycles_the_post_norm_hidden(tmp_path):
-    from drafter.testing_fixtures import make_tiny_deepseek_v3_mtp
+    from tests.helpers.deepseek import make_tiny_deepseek_v3_mtp
 
     model_dir, _ = make_tiny_deepseek_v3_mtp(tmp_path / "v3")
     drafter = load_drafter(model_dir, V3)
@@ -362,7 +362,7 @@ def test_only_trainable_leaves_out_frozen_tensors(tiny_target, tmp_path):
 
 
 def test_deepseek_v3_fp8_load_dequantizes_and_round_trips(tmp_path):
-    from drafter.testing_fixtures import make_tiny_deepseek_v3_mtp
+    from tests.helpers.deepseek import make_tiny_deepseek_v3_mtp
 
     model_dir, reference = make_tiny_deepseek_v3_mtp(tmp_path / "v3")
     idx = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
@@ -445,7 +445,7 @@ def test_bad_checkpoint_fails_naming_the_tensor(tiny_target, tmp_path, case, nee
 
 
 def test_bad_weights_file_and_fp8_without_scale(tiny_target, tmp_path):
-    from drafter.testing_fixtures import make_tiny_deepseek_v3_mtp
+    from tests.helpers.deepseek import make_tiny_deepseek_v3_mtp
 
     save_file({"model.layers.2.not_a_tensor.weight": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     with pytest.raises(StageError, match="not_a_tensor"):

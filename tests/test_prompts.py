@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from drafter.config import ConfigError, GenerateConfig, config_from_dict
-from drafter.errors import StageError
-from drafter.prompts import DOMAINS, build_prompts, builtin_prompts, load_user_file
+from drafter.core.config import ConfigError, GenerateConfig, config_from_dict
+from drafter.core.errors import StageError
+from drafter.data.prompts import DOMAINS, build_prompts, builtin_prompts, load_user_file
 
 
 def _key(c):

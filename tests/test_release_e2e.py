@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter.config import load_config
-from drafter.pipeline import open_store, plan, run_all
+from drafter.core.config import load_config
+from drafter.core.pipeline import open_store, plan, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
     """Bigger than the tiny target, so that generate and capture take long enough to be killed."""
-    from drafter.testing import make_tiny_target
+    from tests.helpers.targets import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("small") / "model", num_layers=4, hidden_size=512,
                             intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=128)

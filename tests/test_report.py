@@ -2,8 +2,8 @@
 tok/s per concurrency and the speedup against no speculation; FP8 counts; why EXL3 is missing."""
 from __future__ import annotations
 
-from drafter.data import write_json_atomic
-from drafter.report import release_report
+from drafter.core.files import write_json_atomic
+from drafter.evaluation.report import release_report
 from tests.test_gate import ab_live, eval_offline
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from drafter.config import config_from_dict
-from drafter.data import list_shards, read_jsonl, write_jsonl_atomic
-from drafter.errors import ConfigError, StageError
-from drafter.scrub import BUILTIN_KINDS, Scrubber, scrub_row
-from drafter.stage import Artifact
+from drafter.core.config import config_from_dict
+from drafter.core.files import list_shards, read_jsonl, write_jsonl_atomic
+from drafter.core.errors import ConfigError, StageError
+from drafter.data.scrub import BUILTIN_KINDS, Scrubber, scrub_row
+from drafter.core.stage import Artifact
 from drafter.stages import scrub as scrub_stage
 
 PEM_BODIES = {

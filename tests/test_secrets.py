@@ -15,10 +15,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from drafter.config import ReleaseConfig, ServingConfig, config_from_dict, load_config
-from drafter.errors import ConfigError, DrafterError, StageError, describe_value
-from drafter.pipeline import plan
-from drafter.scrub import BUILTIN_KINDS, redact_url, url_has_credentials
+from drafter.core.config import ReleaseConfig, ServingConfig, config_from_dict, load_config
+from drafter.core.errors import ConfigError, DrafterError, StageError, describe_value
+from drafter.core.pipeline import plan
+from drafter.data.scrub import BUILTIN_KINDS, redact_url, url_has_credentials
 from tests.test_release_e2e import write_config
 
 # --------------------------------------------------------------------------- planted secrets
@@ -131,7 +131,7 @@ def decoded_token_ids(store: Path, tokenizer) -> str:
     """Every token id list of the generate output and every capture shard's input_ids, decoded."""
     from safetensors.torch import load_file
 
-    from drafter.data import iter_rows
+    from drafter.core.files import iter_rows
 
     parts = []
     for shards in (store / "generate").glob("*/shards"):
@@ -177,7 +177,7 @@ def test_release_flow_and_failures_leave_no_secret_anywhere(prefect_harness, tmp
     assert report["counts_input"] == gen["input_secrets_by_kind"]
     assert all(report["counts"][k] == report["counts_input"][k] + report["counts_generated"][k] for k in BUILTIN_KINDS)
     # the planted rows were generated, with the secrets replaced (not dropped)
-    from drafter.data import iter_rows
+    from drafter.core.files import iter_rows
 
     rows = {r["id"]: r for r in iter_rows(store / "generate" / keys["generate"] / "shards")}
     for kind in BUILTIN_KINDS:
@@ -315,7 +315,7 @@ def test_env_values_are_masked_in_every_dump():
         config_from_dict({"serving": {"env": {"HF_TOKEN": [ENV_SECRET]}}})
     assert "serving.env.HF_TOKEN" in str(e.value) and ENV_SECRET not in str(e.value)
     # `--set` with a value that is not YAML names the field, not the value
-    from drafter.config import parse_override
+    from drafter.core.config import parse_override
 
     with pytest.raises(ConfigError) as e:
         parse_override(f"serving.env.HF_TOKEN=[{ENV_SECRET}")
@@ -346,7 +346,7 @@ def test_url_credentials_are_refused_and_redacted():
 
 
 def test_server_env_expands_references_only_at_start(tmp_path, monkeypatch):
-    from drafter.serving import MASKED, ServingError, _server_env_overrides, docker_command, server_env
+    from drafter.serving.server import MASKED, ServingError, _server_env_overrides, docker_command, server_env
 
     monkeypatch.setenv("WORKER_TOKEN", ENV_SECRET)
     s = ServingConfig(env={"HF_TOKEN": "${WORKER_TOKEN}", "PLAIN": "x-${WORKER_TOKEN}-y", "LIT": "lit"})
@@ -372,8 +372,8 @@ def test_api_key_is_sent_as_bearer(monkeypatch):
 
     import httpx
 
-    from drafter.generate import OpenAIChatBackend, Sampling
-    from drafter.serving import ServingError, api_key
+    from drafter.data.generate import OpenAIChatBackend, Sampling
+    from drafter.serving.server import ServingError, api_key
 
     seen = []
 
@@ -412,7 +412,7 @@ def test_api_key_is_sent_as_bearer(monkeypatch):
     ([MALFORMED_SECRET], "each row must be an object"),
 ])
 def test_bad_row_errors_describe_never_quote(tmp_path, row, where):
-    from drafter.prompts import load_user_file
+    from drafter.data.prompts import load_user_file
 
     f = tmp_path / "u.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "fine"}]}) + "\n" + json.dumps(row) + "\n")
@@ -425,8 +425,8 @@ def test_bad_row_errors_describe_never_quote(tmp_path, row, where):
 def test_describe_value_and_other_row_errors():
     assert describe_value("abc") == "a string of 3 characters" and describe_value({"a": 1}) == "an object with 1 key"
     assert describe_value([1, 2]) == "a list of 2 items" and describe_value(None) == "null"
-    from drafter.capture import tokenize_rows
-    from drafter.data import tokenize_conversation
+    from drafter.data.capture import tokenize_rows
+    from drafter.core.files import tokenize_conversation
 
     with pytest.raises(StageError) as e:
         tokenize_conversation(None, [{"content": MALFORMED_SECRET}], row_id="r1")
@@ -440,7 +440,7 @@ def test_generate_scrubs_user_conversations_before_sending(tmp_path, tiny_target
     """What the server receives holds no secret (checked on the requests themselves)."""
     import httpx
 
-    from drafter.generate import OpenAIChatBackend
+    from drafter.data.generate import OpenAIChatBackend
     from drafter.stages import generate as gen_stage
     from tests.test_generate import _target_artifact
 
@@ -461,14 +461,14 @@ def test_generate_scrubs_user_conversations_before_sending(tmp_path, tiny_target
             pass
 
         def __enter__(self):
-            from drafter.serving import Server
+            from drafter.serving.server import Server
 
             return Server(base_url="http://fake", model="m")
 
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr("drafter.serving.serve", FakeServe)
+    monkeypatch.setattr("drafter.serving.server.serve", FakeServe)
     monkeypatch.setattr(gen_stage, "OpenAIChatBackend", lambda *a, **kw: backend)
     metrics = gen_stage.run(cfg, {"prepare_target": _target_artifact(tmp_path, tiny_target)}, tmp_path / "out")
     assert metrics["rows"] == 7 and metrics["input_secrets"] >= len(BUILTIN_KINDS)
@@ -486,8 +486,8 @@ def test_vllm_server_gets_env_secrets_that_nothing_records(tmp_path, tiny_target
     the server process has both in its environment; its log and the generate output have neither."""
     import contextlib
 
-    import drafter.serving as serving_mod
-    from drafter.serving import serving_python
+    import drafter.serving.server as serving_mod
+    from drafter.serving.server import serving_python
     from drafter.stages.generate import STAGE
     from tests.test_generate import _target_artifact
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from drafter.config import ServingConfig
-from drafter.serving import (
+from drafter.core.config import ServingConfig
+from drafter.serving.server import (
     Server,
     ServingError,
     docker_command,
@@ -163,7 +163,7 @@ def test_server_dying_at_startup_fails_fast_with_log_tail(tmp_path, fake_python)
 def test_url_launcher_uses_running_server_and_stops_nothing(tmp_path, fake_python):
     import subprocess
 
-    from drafter.serving import free_port
+    from drafter.serving.server import free_port
 
     port = free_port()
     pids_file = tmp_path / "pids"
@@ -237,7 +237,7 @@ def _greedy(srv: Server) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def embedded_target(tmp_path_factory):
-    from drafter.target import load_original, reexpress_as_glm4_moe_mtp
+    from drafter.models.target import load_original, reexpress_as_glm4_moe_mtp
 
     model, tok = load_original()
     out = reexpress_as_glm4_moe_mtp(model, tok, tmp_path_factory.mktemp("embedded") / "model")

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from drafter import pipeline
-from drafter import stages as registry
-from drafter.config import ReleaseConfig
-from drafter.errors import StageSkipped, StoreError
-from drafter.stage import Stage, stage_key
-from drafter.store import Store
+from drafter.core import pipeline
+from drafter.core import registry
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageSkipped, StoreError
+from drafter.core.stage import Stage, stage_key
+from drafter.core.store import Store
 
 CALLS: dict[str, int] = {}
 

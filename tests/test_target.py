@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError
-from drafter.target import (
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError
+from drafter.models.target import (
     BASE_SHARD,
     MTP_SHARD,
     find_embedded_gguf,
@@ -20,7 +20,7 @@ from drafter.target import (
     target_dir,
     target_info,
 )
-from drafter.testing import make_tiny_target
+from tests.helpers.targets import make_tiny_target
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -186,7 +186,7 @@ def test_hub_source_offline_says_so(tmp_path, monkeypatch):
 
 
 def test_missing_gguf_wheel_says_how_to_install(monkeypatch):
-    import drafter.target as target
+    import drafter.models.target as target
 
     monkeypatch.setattr(target, "EMBEDDED_PACKAGE", "no_such_pkg_xyz")
     monkeypatch.setattr(target, "EMBEDDED_DIST", "no-such-dist-xyz")

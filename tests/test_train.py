@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from drafter.acceptance import acceptance, summarize, target_logits
-from drafter.config import TrainConfig
+from drafter.evaluation.acceptance import acceptance, summarize, target_logits
+from drafter.core.config import TrainConfig
 from drafter.models import EmbeddedGlm4MoeLayout, load_drafter
-from drafter.target import read_tensor
-from drafter.train import lr_at, train
-from drafter.windows import Window, row_part, window_order
+from drafter.models.target import read_tensor
+from drafter.training.loop import lr_at, train
+from drafter.data.windows import Window, row_part, window_order
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +142,9 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     import yaml
     from safetensors.torch import load_file
 
-    from drafter.config import load_config
-    from drafter.pipeline import run_all
-    from drafter.training_run import run_training
+    from drafter.core.config import load_config
+    from drafter.core.pipeline import run_all
+    from drafter.training.run import run_training
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({
@@ -194,7 +194,7 @@ def test_curves_plot_accuracy_for_ce_and_alpha_for_distribution_losses(tmp_path)
     accuracy (CE, as the bootstrap trains) — never an empty panel."""
     import warnings
 
-    from drafter.train import plot_curves
+    from drafter.training.loop import plot_curves
 
     ce_hist = [{"step": s, "loss": 3.0 / s, "accuracy_1": 0.1 * s} for s in range(1, 6)]
     ce_hist[-1]["eval"] = {"t0": {"tau": 1.4}, "t1_greedy": {"tau": 1.3}}

@@ -2,7 +2,7 @@
 
 A *layout* knows a release's tensor names, its transformers classes and its on-disk encoding:
 
-* :class:`EmbeddedGlm4MoeLayout` — the embedded target (GLM-4-MoE, ``drafter/target.py``): MTP layer
+* :class:`EmbeddedGlm4MoeLayout` — the embedded target (GLM-4-MoE, ``drafter/models/target.py``): MTP layer
   ``model.layers.{L}.*`` with ``L = num_hidden_layers``, per-expert MoE weights on disk
   (``mlp.experts.{e}.{gate,up,down}_proj.weight``; transformers 5 fuses them in memory as
   ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``), the shared
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from drafter.errors import StageError
+from drafter.core.errors import StageError
 from drafter.models.mtp import MTPDrafter
 
 Tensor = torch.Tensor
@@ -374,7 +374,7 @@ def save_drafter(
     """
     import fnmatch
 
-    from drafter.data import save_safetensors
+    from drafter.core.files import save_safetensors
 
     out_path = Path(out_path)
     state = {k: v for k, v in drafter.state_dict().items()}

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from drafter.errors import StageError
+from drafter.core.errors import StageError
 from drafter.quant import fp8 as F
 from drafter.quant.release import INDEX_NAME, FP8Release, TensorInfo
 

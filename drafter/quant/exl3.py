@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from drafter import procs
-from drafter.errors import StageError
+from drafter.core import procs
+from drafter.core.errors import StageError
 
 CONVERTER_MODULE = "exllamav3.conversion.convert_model"
 HALF_RATES = (1.5, 2.5, 3.5)
@@ -223,7 +223,7 @@ def write_input_dir(pres: Presentation, tensors: dict[str, Any], target_dir: Pat
     the target's tokenizer files (exllamav3 tokenizes its calibration corpus with them).
     ``tensors``: release name → tensor (all of ``pres.names``' values)."""
     import torch
-    from drafter.data import save_safetensors
+    from drafter.core.files import save_safetensors
 
     in_dir = Path(in_dir)
     if in_dir.exists():
@@ -364,7 +364,7 @@ def run_converter(cmd: list[str], log_path: Path, *, total: int, timeout_s: floa
 
     Raises :class:`StageError` with the log's tail on a non-zero exit, an ``!! Error`` line (the
     converter reports bad arguments that way and exits 0) or a timeout."""
-    from drafter.progress import progress
+    from drafter.core.progress import progress
 
     lines: list[str] = []
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter.errors import StageError
+from drafter.core.errors import StageError
 from drafter.quant.fp8 import ScaleRule
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -1,22 +1,3 @@
-"""The stage registry: every stage of the release pipeline, in pipeline order.
-
-Each module defines ``STAGE`` (a :class:`drafter.stage.Stage`). A stage's name is the same in
-the config, the task module, the flow, the store path, the CLI and the docs.
-"""
-from __future__ import annotations
-
-import importlib
-
-from drafter.stage import Stage
-
-ORDER = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train", "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
-
-
-def get(name: str) -> Stage:
-    if name not in ORDER:
-        raise KeyError(f"unknown stage {name!r}; stages are: {', '.join(ORDER)}")
-    return importlib.import_module(f"drafter.stages.{name}").STAGE
-
-
-def all_stages() -> list[Stage]:
-    return [get(n) for n in ORDER]
+"""The stages of the release pipeline, one module per stage; each defines ``STAGE`` (a
+:class:`drafter.core.stage.Stage`). Their order and lookup: :mod:`drafter.core.registry`."""
+from drafter.core.registry import ORDER, all_stages, get  # noqa: F401

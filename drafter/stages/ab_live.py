@@ -6,7 +6,7 @@ layer inside the target checkpoint) and the fine-tuned one (``train``).
 Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
 ``baseline``, ``candidate`` (one per supported draft sampling method), same server build and
 settings (``serving`` plus ``ab_live.server_args``), ``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn
-agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.ab_live`): output tok/s, latency per
+agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok/s, latency per
 request, and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's
 ``none`` and ``candidate`` servers also give the lossless check: identical token ids at T=0.
 Writes: ``ab_live.json`` (every run, means over rounds, lossless check, unsupported draft sampling
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from drafter.ab_live import (
+from drafter.evaluation.ab_live import (
     ReplayTurn,
     ab_serving,
     ab_table,
@@ -34,16 +34,16 @@ from drafter.ab_live import (
     speculative_config,
     summarize,
 )
-from drafter.config import ReleaseConfig
-from drafter.data import iter_rows, write_json_atomic
-from drafter.errors import StageError, StageSkipped
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import iter_rows, write_json_atomic
+from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
-from drafter.progress import progress
-from drafter.served_model import drafter_model_dir
-from drafter.serving import engine_version, serve, serving_python
-from drafter.stage import Artifact, Metrics, Stage
+from drafter.core.progress import progress
+from drafter.serving.served_model import drafter_model_dir
+from drafter.serving.server import engine_version, serve, serving_python
+from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import released_weights
-from drafter.target import target_dir
+from drafter.models.target import target_dir
 
 log = logging.getLogger(__name__)
 WARMUP = ReplayTurn("warmup", "none", 1, [{"role": "user", "content": "Say hello."}])

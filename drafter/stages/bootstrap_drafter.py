@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageSkipped
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.target import target_dir, target_info
-from drafter.training_run import run_training, tau_metrics
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageSkipped
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.models.target import target_dir, target_info
+from drafter.training.run import run_training, tau_metrics
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:

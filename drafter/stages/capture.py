@@ -6,7 +6,7 @@ Inputs: `prepare_target` (the checkpoint, tokenizer and chat template) and `scru
 Computes: each conversation tokenized with the chat template (loss mask = assistant tokens,
 truncated to ``max_seq_len``), run through the target in float32 in batches of
 ``batch_tokens``; per token the LM-head input (``hidden_final``, post final norm — what vLLM
-feeds the MTP layer) and the configured layers' states (see :mod:`drafter.capture`).
+feeds the MTP layer) and the configured layers' states (see :mod:`drafter.data.capture`).
 Before the first forward pass it estimates the bytes to write and refuses to start when the
 disk lacks ``min_free_margin`` × that.
 Writes: ``features/train/shard-*.safetensors``, ``features/heldout/shard-*.safetensors``
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafter.capture import FORMAT, capture_features, hidden_tensor_names, load_target_model, tokenize_rows
-from drafter.config import ReleaseConfig
-from drafter.data import iter_rows, list_shards, remove_partial_files, write_json_atomic
-from drafter.errors import StageError
-from drafter.progress import progress
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.target import target_dir, target_info
+from drafter.data.capture import FORMAT, capture_features, hidden_tensor_names, load_target_model, tokenize_rows
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import iter_rows, list_shards, remove_partial_files, write_json_atomic
+from drafter.core.errors import StageError
+from drafter.core.progress import progress
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.models.target import target_dir, target_info
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:

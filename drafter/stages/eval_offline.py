@@ -10,7 +10,7 @@ under the three rules (T=0; T=1 with greedy and with probabilistic drafts), τ(K
 from the chain products; bootstrap intervals over conversations; the same per domain and per mode;
 the draft cost (one drafter step vs one target forward over the same tokens, this machine, unless
 configured) and the K maximizing the expected speed τ(K) / (1 + K·cost).
-Writes: ``eval_offline.json`` (see :func:`drafter.evaluation.evaluate`), ``eval_offline.md``,
+Writes: ``eval_offline.json`` (see :func:`drafter.evaluation.offline.evaluate`), ``eval_offline.md``,
 ``tau_vs_k.png``, ``acceptance_per_position.png``.
 Reports: τ at every K per rule and drafter (``tau_<rule>_k<K>_<drafter>``), α per position, the
 recommended K per drafter and its expected speedup, the draft cost.
@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
-from drafter.capture import load_target_model
-from drafter.config import ReleaseConfig
-from drafter.data import iter_rows, list_shards, write_json_atomic
-from drafter.errors import StageError
-from drafter.evaluation import (conversation_labels, evaluate, heldout_alphas, measure_draft_cost,
+from drafter.data.capture import load_target_model
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import iter_rows, list_shards, write_json_atomic
+from drafter.core.errors import StageError
+from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_draft_cost,
                                 plot_acceptance_per_position, plot_tau_vs_k, render_markdown)
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
-from drafter.progress import progress
-from drafter.stage import Artifact, Metrics, Stage
+from drafter.core.progress import progress
+from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import released_weights
-from drafter.target import read_tensor, target_dir
-from drafter.windows import load_windows
+from drafter.models.target import read_tensor, target_dir
+from drafter.data.windows import load_windows
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:

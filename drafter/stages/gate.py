@@ -2,11 +2,11 @@
 
 Inputs: `ab_live` (``ab_live.json``: live τ and tok/s per drafter, draft method and concurrency, the
 lossless check) and `eval_offline` (``eval_offline.json``: the offline τ prediction per K and rule).
-Computes: the checks of :mod:`drafter.gate` — candidate vs baseline live τ and tok/s within the
+Computes: the checks of :mod:`drafter.evaluation.gate` — candidate vs baseline live τ and tok/s within the
 configured tolerances at every measured concurrency, candidate live τ within
 ``min_live_offline_ratio`` of the offline prediction at the live K and matching rule, lossless output.
 With ``ab_live`` skipped (no vLLM) there is no live evidence: the gate refuses unless forced.
-Refused (and ``gate.force`` not set): raises :class:`drafter.gate.GateRefused` whose message is the
+Refused (and ``gate.force`` not set): raises :class:`drafter.evaluation.gate.GateRefused` whose message is the
 report, so the flow stops before any later stage (nothing is published).
 Writes (pass or forced): ``gate.json`` (verdict, forced, every check with its numbers) and ``gate.md``.
 Reports: ``gate`` (pass / forced), ``forced``, ``failed_checks``, live and offline τ, tok/s at 1 user.
@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.data import write_json_atomic
-from drafter.errors import StageError
-from drafter.gate import GateRefused, gate_decision, gate_report, gate_without_live
-from drafter.stage import Artifact, Metrics, Stage
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import write_json_atomic
+from drafter.core.errors import StageError
+from drafter.evaluation.gate import GateRefused, gate_decision, gate_report, gate_without_live
+from drafter.core.stage import Artifact, Metrics, Stage
 
 
 def _read_json(path: Path) -> dict:

@@ -3,16 +3,16 @@
 Inputs: the `prepare_target` output (the model directory, its chat template and provenance).
 Computes: the prompt list — built-in prompts (general, code, math, multi-turn agent; seeded, with a
 fixed held-out split) and the user's JSONL/Parquet files — then, with the target served by vLLM
-(``serving.backend: vllm``; started via :func:`drafter.serving.serve`) or loaded in-process by
+(``serving.backend: vllm``; started via :func:`drafter.serving.server.serve`) or loaded in-process by
 transformers (``serving.backend: transformers``), every assistant turn, turn by turn, in the
-thinking modes the chat template supports (see :mod:`drafter.generate`).
-Secrets: user-file conversations are scrubbed with ``cfg.scrub``'s rules (:func:`drafter.scrub.
+thinking modes the chat template supports (see :mod:`drafter.data.generate`).
+Secrets: user-file conversations are scrubbed with ``cfg.scrub``'s rules (:func:`drafter.data.scrub.
 scrub_conversations`: message contents, and ids/domains holding a secret) right after they are read,
 before anything is sent to the server or written — so neither the text nor the token ids of this
 stage's output hold the user's secrets (``scrub`` is among this stage's sections: new rules mean a
 new key). The `scrub` stage still scrubs the generated text (a model may invent secret-like strings)
 and adds these input counts to its own.
-Writes: ``shards/shard-*.jsonl`` (one conversation per row, format in :mod:`drafter.generate`),
+Writes: ``shards/shard-*.jsonl`` (one conversation per row, format in :mod:`drafter.data.generate`),
 ``shard_stats/shard-*.json``, ``server.log`` (vLLM's log) and ``summary.json`` (with
 ``input_secrets``: secrets removed from the input, per kind; never the secrets).
 Reports: ``rows``, ``train_rows``, ``heldout_rows``, ``failed`` (requests), ``tokens_generated``,
@@ -31,10 +31,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.data import remove_partial_files, write_json_atomic
-from drafter.errors import BadInputError, StageError
-from drafter.generate import (
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import remove_partial_files, write_json_atomic
+from drafter.core.errors import BadInputError, StageError
+from drafter.data.generate import (
     OpenAIChatBackend,
     TransformersBackend,
     check_prompt_lengths,
@@ -43,11 +43,11 @@ from drafter.generate import (
     template_supports_thinking,
     thinking_modes,
 )
-from drafter.prompts import build_prompts
-from drafter.scrub import scrub_conversations, scrubber_for
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.store import sha256_file
-from drafter.target import chat_template_text, target_dir, target_info
+from drafter.data.prompts import build_prompts
+from drafter.data.scrub import scrub_conversations, scrubber_for
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.core.store import sha256_file
+from drafter.models.target import chat_template_text, target_dir, target_info
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         def backend():
             if serving.backend == "transformers":
                 return TransformersBackend(model_dir, dtype=serving.dtype)
-            from drafter.serving import serve
+            from drafter.serving.server import serve
 
             srv = stack.enter_context(serve(model_dir, serving, log_path=out / "server.log"))
             servers.append(srv)

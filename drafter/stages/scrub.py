@@ -3,7 +3,7 @@
 Inputs: the `generate` stage's ``shards/shard-*.jsonl`` (one conversation per row).
 Computes: every string of every row (messages and provenance, not the row's id/split/domain/
 mode) with private keys, API keys, tokens, URL passwords, password assignments and e-mails
-replaced (kinds and extra patterns from ``cfg.scrub``; see :mod:`drafter.scrub`). A changed row
+replaced (kinds and extra patterns from ``cfg.scrub``; see :mod:`drafter.data.scrub`). A changed row
 loses its token-id fields (they would decode back to the secret).
 The user's own secrets never reach this stage: `generate` scrubs user conversations with the same
 rules before generating (and reports them as ``input_secrets``); this stage removes what the model
@@ -23,12 +23,12 @@ from collections import Counter
 import json
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.data import iter_jsonl, list_shards, read_jsonl, remove_partial_files, write_json_atomic, write_jsonl_atomic
-from drafter.errors import StageError
-from drafter.progress import progress
-from drafter.scrub import scrub_row, scrubber_for
-from drafter.stage import Artifact, Metrics, Stage
+from drafter.core.config import ReleaseConfig
+from drafter.core.files import iter_jsonl, list_shards, read_jsonl, remove_partial_files, write_json_atomic, write_jsonl_atomic
+from drafter.core.errors import StageError
+from drafter.core.progress import progress
+from drafter.data.scrub import scrub_row, scrubber_for
+from drafter.core.stage import Artifact, Metrics, Stage
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:

@@ -3,7 +3,7 @@
 Inputs: the target, the captured features, and the released drafter — the bootstrap's output on
 the demo, or (bootstrap skipped) the MTP layer shipped inside the target checkpoint.
 Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by default) on the
-``finetune`` half of the train split (see :mod:`drafter.train`), checkpointing inside the stage's
+``finetune`` half of the train split (see :mod:`drafter.training.loop`), checkpointing inside the stage's
 in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
 all else equal, for the released / KL / LK comparison.
 Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names), ``curves.png``,
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
+from drafter.core.config import ReleaseConfig
 from drafter.models import TRAINED_NAME
-from drafter.stage import Artifact, Metrics, Stage
-from drafter.target import target_dir
-from drafter.training_run import run_training, tau_metrics
+from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.models.target import target_dir
+from drafter.training.run import run_training, tau_metrics
 
 
 def released_weights(bootstrap: Artifact) -> Path | None:

@@ -19,15 +19,15 @@ import json
 import re
 from pathlib import Path
 
-from drafter.config import ReleaseConfig
-from drafter.errors import StageError, StageSkipped
-from drafter.progress import progress
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StageError, StageSkipped
+from drafter.core.progress import progress
 from drafter.quant.dropin import DROPIN_NAME, check_dropin
 from drafter.quant.release import FP8Release, is_drafter_key, open_release
 from drafter.quant.verify import self_check
-from drafter.stage import Artifact, Metrics, Stage
+from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.quantize_fp8 import FP8_DIR, release_dir
-from drafter.target import target_dir
+from drafter.models.target import target_dir
 
 # lines of a vLLM log that say the engine cannot run FP8 on this machine (as opposed to a bad checkpoint)
 UNSUPPORTED_PATTERNS = (r"Failed to find a kernel that can implement", r"requires AMX", r"not supported on (the )?CPU",
@@ -73,8 +73,8 @@ def vllm_load(cfg: ReleaseConfig, release: FP8Release, target: Path, fp8_dir: Pa
     """Serve target + drop-in with MTP speculation and generate; ``ok`` / ``unsupported: …``; raises otherwise."""
     import httpx
 
-    from drafter.served_model import drafter_model_dir
-    from drafter.serving import ServingError, serve
+    from drafter.serving.served_model import drafter_model_dir
+    from drafter.serving.server import ServingError, serve
 
     tcfg = json.loads((target / "config.json").read_text())
     qc = serving_quant_config(release, target)

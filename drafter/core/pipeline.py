@@ -1,0 +1,205 @@
+"""Planning and running stages against the store (no Prefect here; `flows/` wraps this).
+
+Every stage key is computable from the config alone (key = hash(stage, version, its config
+sections, the keys of its inputs)), so the whole plan is known before anything runs.
+
+Example::
+
+    cfg = load_config("configs/demo.yaml")
+    for p in plan(cfg):
+        result = run_stage(cfg, p.stage.name)
+        print(result.line())
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from drafter.core import registry
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import StoreError
+from drafter.core.urls import redact_url
+from drafter.core.stage import Artifact, Metrics, Stage, key_config, stage_key
+from drafter.core.store import Store
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    stage: Stage
+    key: str
+    input_keys: dict[str, str]
+
+
+@dataclass
+class StageResult:
+    stage: str
+    key: str
+    status: str  # computed | reused | skipped | failed
+    path: str
+    metrics: Metrics = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of this call
+    compute_seconds: float = 0.0  # time the output originally took to compute
+    reason: str | None = None
+
+    def line(self) -> str:
+        what = {
+            "computed": f"computed in {self.seconds:.1f} s",
+            "reused": f"reused (nothing recomputed; computed earlier in {self.compute_seconds:.1f} s)",
+            "skipped": f"skipped: {self.reason}",
+            "failed": f"FAILED: {self.reason}",
+        }[self.status]
+        return f"{self.stage:<15} {self.key}  {what}  → {self.path}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def open_store(cfg: ReleaseConfig) -> Store:
+    return Store(cfg.store.root, cfg.store.cache_dir)
+
+
+def with_inputs(wanted: list[str] | None) -> list[str]:
+    """``wanted`` and every stage they need, in pipeline order (all stages when ``wanted`` is empty);
+    an unknown name raises KeyError."""
+    all_stages = {s.name: s for s in registry.all_stages()}
+    if not wanted:
+        return list(registry.ORDER)
+    unknown = [w for w in wanted if w not in all_stages]
+    if unknown:
+        raise KeyError(f"unknown stage(s) {unknown}; stages are: {', '.join(registry.ORDER)}")
+    needed: set[str] = set()
+    todo = list(wanted)
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(all_stages[n].inputs)
+    return [n for n in registry.ORDER if n in needed]
+
+
+def plan(cfg: ReleaseConfig, only: list[str] | None = None) -> list[PlannedStage]:
+    """Stages to run, in pipeline order, with their keys. ``only`` (or ``cfg.stages``) selects
+    stages; everything they need is included."""
+    wanted = only if only is not None else cfg.stages
+    all_stages = {s.name: s for s in registry.all_stages()}
+    needed = set(with_inputs(wanted))
+    keys: dict[str, str] = {}
+    out = []
+    for name in registry.ORDER:
+        st = all_stages[name]
+        ik = {i: keys[i] for i in st.inputs}
+        keys[name] = stage_key(st, cfg, ik)
+        if name in needed:
+            out.append(PlannedStage(st, keys[name], ik))
+    return out
+
+
+def _planned(cfg: ReleaseConfig, name: str) -> PlannedStage:
+    for p in plan(cfg, only=[name]):
+        if p.stage.name == name:
+            return p
+    raise KeyError(name)
+
+
+def load_inputs(store: Store, p: PlannedStage) -> dict[str, Artifact]:
+    inputs = {}
+    for name, key in p.input_keys.items():
+        art = store.find(name, key)
+        if art is None:
+            raise StoreError(
+                f"stage {p.stage.name} needs the output of {name} (key {key}), which is not in the store "
+                f"{store.root_url}; run `drafter stage {name}` (or the whole release) first"
+            )
+        inputs[name] = art
+    return inputs
+
+
+def run_stage(cfg: ReleaseConfig, name: str, store: Store | None = None) -> StageResult:
+    """Reuse the finished output of stage ``name`` or compute it (inputs must be in the store)."""
+    store = store or open_store(cfg)
+    p = _planned(cfg, name)
+    t0 = time.monotonic()
+    found = store.find(name, p.key)
+    if found is not None:
+        return StageResult(name, p.key, "reused", str(found.path), found.metrics, time.monotonic() - t0,
+                           found.manifest.get("seconds", 0.0), found.manifest.get("reason"))
+    inputs = load_inputs(store, p)
+    meta = {
+        "version": p.stage.version,
+        "config": key_config(p.stage, cfg),  # operational fields and secrets left out, as in the key
+        "inputs": p.input_keys,
+    }
+    art, computed = store.produce(name, p.key, lambda out: p.stage.run(cfg, inputs, out), meta)
+    status = "skipped" if art.status == "skipped" else ("computed" if computed else "reused")
+    return StageResult(name, p.key, status, str(art.path), art.metrics, time.monotonic() - t0,
+                       art.manifest.get("seconds", 0.0), art.manifest.get("reason"))
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
+def summarize(cfg: ReleaseConfig, run_id: str, started_at: str, results: list[StageResult],
+              status: str, error: str | None = None) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "release": cfg.name,
+        "store": redact_url(cfg.store.root),  # an fsspec URL may carry credentials
+        "status": status,
+        "error": error,
+        "started_at": started_at,
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "stages": [r.to_dict() for r in results],
+        "computed": [r.stage for r in results if r.status == "computed"],
+        "reused": [r.stage for r in results if r.status == "reused"],
+    }
+
+
+def run_all(cfg: ReleaseConfig, only: list[str] | None = None, echo=print) -> dict[str, Any]:
+    """Run the plan in-process without Prefect (the flow in `flows/release.py` is the usual way)."""
+    store = open_store(cfg)
+    run_id, started = new_run_id(), datetime.now(timezone.utc).isoformat()
+    results: list[StageResult] = []
+    try:
+        for p in plan(cfg, only):
+            r = run_stage(cfg, p.stage.name, store)
+            echo(r.line())
+            results.append(r)
+    except Exception as e:
+        summary = summarize(cfg, run_id, started, results, "failed", f"{type(e).__name__}: {e}")
+        store.write_run(run_id, summary)
+        raise
+    summary = summarize(cfg, run_id, started, results, "completed")
+    store.write_run(run_id, summary)
+    return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """A plain-text table of a run summary (stage, key, status, time, metrics)."""
+    rows = [("stage", "key", "status", "time", "metrics")]
+    for s in summary["stages"]:
+        t = s["compute_seconds"] if s["status"] == "reused" else s["seconds"]
+        m = ", ".join(f"{k}={_fmt(v)}" for k, v in list(s["metrics"].items())[:8])
+        rows.append((s["stage"], s["key"], s["status"], f"{t:.1f}s", m))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)[:40]
+    return str(v)
+
+
+def stage_output(cfg: ReleaseConfig, name: str) -> Path:
+    """Where stage ``name``'s output for this config lives (or will live)."""
+    store = open_store(cfg)
+    return Path(store.location(name, _planned(cfg, name).key))

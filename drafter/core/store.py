@@ -1,0 +1,369 @@
+"""The stage store: content-addressed, atomically published stage outputs.
+
+Layout (local path or any fsspec URL)::
+
+    <root>/<stage>/<key>/            finished output + manifest.json (never modified again)
+    <root>/<stage>/.<key>.partial/   in-progress output; checkpoints live here; reused on retry
+    <root>/<stage>/.<key>.lock       held while a process works on <key>
+    <root>/runs/<run-id>.json        one summary per pipeline run (`drafter runs`)
+
+A finished output is published by writing ``manifest.json`` (every file with size + sha256) and
+renaming the partial directory into place, so a reader sees either nothing or a whole output.
+When a stage fails, its partial directory stays only if the failure is transient (a retry or a
+rerun resumes from it: connection errors, timeouts, a dead server); on a permanent failure (bad
+config or input, permission or decode errors, :func:`drafter.core.errors.is_permanent`) it is removed,
+since a retry would fail the same way. :meth:`Store.remove_partials` (``drafter clean``) removes
+leftover partial directories that no process is working on (their lock is free).
+On a remote (fsspec) store the work happens in a local partial directory under ``cache_dir``; the
+files are uploaded first and ``manifest.json`` last, and a directory without a manifest counts as
+absent. Reuse verifies the manifest (sizes and sha256), so a tampered output is reported by name.
+
+Example::
+
+    store = Store("store")
+    art = store.find("scrub", key)          # None if absent; StoreError if tampered
+    art = store.produce("scrub", key, write_fn, manifest_extra)
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import fsspec
+
+from drafter import __version__
+from drafter.core import procs
+from drafter.core.errors import StageSkipped, StoreError, is_permanent
+from drafter.core.stage import Artifact, Metrics
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def list_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``root`` (except the manifest) with size and sha256, sorted by path."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            rel = p.relative_to(root).as_posix()
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    return files
+
+
+def verify_dir(root: Path, manifest: dict, verify: str = "sha256") -> None:
+    """Raise StoreError naming the first file that differs from ``manifest``."""
+    where = f"{manifest.get('stage')}/{manifest.get('key')}"
+    listed = manifest.get("files", {})
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
+    missing = sorted(set(listed) - present)
+    extra = sorted(present - set(listed))
+    hint = f"remove {root} to recompute it"
+    if missing:
+        raise StoreError(f"store output {where}: file {missing[0]} is listed in the manifest but missing ({hint})")
+    if extra:
+        raise StoreError(f"store output {where}: file {extra[0]} is not in the manifest ({hint})")
+    for rel, info in listed.items():
+        p = root / rel
+        size = p.stat().st_size
+        if size != info["size"]:
+            raise StoreError(f"store output {where}: {rel} has {size} bytes, manifest says {info['size']} ({hint})")
+        if verify == "sha256" and sha256_file(p) != info["sha256"]:
+            raise StoreError(f"store output {where}: {rel} does not match its sha256 in the manifest ({hint})")
+
+
+class Store:
+    """Stage outputs under ``root`` (local path or fsspec URL)."""
+
+    def __init__(self, root: str | os.PathLike, cache_dir: str | os.PathLike = "~/.cache/drafter-release/store",
+                 verify: str = "sha256"):
+        root = str(root)
+        self.fs, self._root = fsspec.core.url_to_fs(root)
+        self.local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.root_url = root
+        self.verify = verify
+        if self.local:
+            self.root = Path(self._root).resolve()
+            self.work = self.root
+        else:
+            self.root = None
+            self.work = Path(os.path.expanduser(str(cache_dir))) / hashlib.sha256(root.encode()).hexdigest()[:12]
+        try:
+            self.work.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            where = "store.root" if self.local else "store.cache_dir"
+            blocker = next((p for p in [self.work, *self.work.parents] if p.exists() and not p.is_dir()), self.work)
+            raise StoreError(f"{where} {self.work}: {blocker} is a file, not a directory; point {where} "
+                             "(or --store) at a directory") from None
+        except OSError as e:
+            where = "store.root" if self.local else "store.cache_dir"
+            raise StoreError(f"{where} {self.work}: cannot create it ({e.strerror}); choose a writable {where} "
+                             "(or --store)") from None
+
+    # ---- paths -------------------------------------------------------------------------
+    def _remote(self, *parts: str) -> str:
+        return "/".join([self._root.rstrip("/"), *parts])
+
+    def final_dir(self, stage: str, key: str) -> Path:
+        """Local directory of a finished output (for remote stores, the local copy)."""
+        return self.work / stage / key
+
+    def partial_dir(self, stage: str, key: str) -> Path:
+        return self.work / stage / f".{key}.partial"
+
+    def location(self, stage: str, key: str) -> str:
+        """Where a finished output lives, as the user would type it."""
+        return str(self.final_dir(stage, key)) if self.local else self._remote(stage, key)
+
+    # ---- reading -----------------------------------------------------------------------
+    def find(self, stage: str, key: str) -> Artifact | None:
+        """The finished output of (stage, key), verified against its manifest; None if absent."""
+        if not self.local:
+            self._download(stage, key)
+        d = self.final_dir(stage, key)
+        mpath = d / MANIFEST
+        if not mpath.is_file():
+            return None
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"store output {stage}/{key}: manifest.json is not valid JSON ({e}); remove {d} to recompute it") from e
+        if manifest.get("stage") != stage or manifest.get("key") != key:
+            raise StoreError(
+                f"store output {stage}/{key}: manifest.json names {manifest.get('stage')}/{manifest.get('key')}; remove {d} to recompute it"
+            )
+        verify_dir(d, manifest, self.verify)
+        return Artifact(stage=stage, key=key, path=d, manifest=manifest)
+
+    def _download(self, stage: str, key: str) -> None:
+        rdir = self._remote(stage, key)
+        if not self.fs.exists(self._remote(stage, key, MANIFEST)):
+            return
+        d = self.final_dir(stage, key)
+        if (d / MANIFEST).is_file():
+            return
+        tmp = d.with_name(f".{key}.download")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for rpath in self.fs.find(rdir):
+            rel = rpath[len(rdir.rstrip("/")) + 1:] if rpath.startswith(rdir) else rpath.split(f"/{key}/", 1)[1]
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(rpath, str(tmp / rel))
+        os.replace(tmp, d)
+
+    # ---- writing -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Exclusive lock on (stage, key) on this machine; released when the process dies."""
+        lock_path = self.work / stage / f".{key}.lock"
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "w") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"[store] {stage}/{key} is being produced by another process; waiting", flush=True)
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def produce(self, stage: str, key: str, write: Callable[[Path], Metrics], meta: dict[str, Any]) -> tuple[Artifact, bool]:
+        """Run ``write(partial_dir)`` and publish its output atomically as (stage, key).
+
+        The partial directory persists across failed attempts (checkpoints survive for resume).
+        A :class:`StageSkipped` from ``write`` publishes an output with status ``skipped`` and the
+        reason (the partial files are dropped, never a fake file). Returns (artifact, computed):
+        ``computed`` is False when another process published the output while we waited.
+        """
+        with self.lock(stage, key):
+            found = self.find(stage, key)
+            if found is not None:  # another process finished it while we waited
+                return found, False
+            part = self.partial_dir(stage, key)
+            resumed = part.is_dir() and any(part.iterdir())
+            part.mkdir(parents=True, exist_ok=True)
+            started = datetime.now(timezone.utc)
+            t0 = time.monotonic()
+            status, reason = "done", None
+            try:
+                metrics = write(part) or {}
+            except StageSkipped as e:
+                shutil.rmtree(part)
+                part.mkdir(parents=True)
+                status, reason, metrics = "skipped", str(e), {}
+            except BaseException as e:
+                # a retry would fail the same way: nothing of this attempt is worth resuming from.
+                # A transient failure keeps the directory: the retry resumes from its checkpoints.
+                if is_permanent(e):
+                    shutil.rmtree(part, ignore_errors=True)
+                raise
+            if procs.stopping():  # a signal is ending this process: leave the partial directory for the rerun
+                raise StoreError(f"{stage}/{key} was not published: the run is stopping; a rerun resumes from {part}")
+            manifest = {
+                **meta,
+                "stage": stage,
+                "key": key,
+                "status": status,
+                "reason": reason,
+                "metrics": json.loads(json.dumps(metrics, default=str)),
+                "library_version": __version__,
+                "host": socket.gethostname(),
+                "resumed": resumed,
+                "started_at": started.isoformat(),
+                "finished_at": datetime.now(timezone.utc).isoformat(),
+                "seconds": round(time.monotonic() - t0, 3),
+                "files": list_files(part),
+            }
+            (part / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            if self.local:
+                final = self.final_dir(stage, key)
+                if final.exists():  # a stale, manifest-less leftover: never published, safe to drop
+                    shutil.rmtree(final)
+                os.replace(part, final)
+            else:
+                self._upload(part, stage, key)
+                final = self.final_dir(stage, key)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(part, final)
+            return Artifact(stage=stage, key=key, path=final, manifest=manifest), True
+
+    def _upload(self, part: Path, stage: str, key: str) -> None:
+        rdir = self._remote(stage, key)
+        if self.fs.exists(rdir):
+            self.fs.rm(rdir, recursive=True)
+        files = [p for p in sorted(part.rglob("*")) if p.is_file() and p.name != MANIFEST]
+        for p in files:
+            self.fs.makedirs(self._remote(stage, key, *p.relative_to(part).parent.parts), exist_ok=True)
+            self.fs.put_file(str(p), self._remote(stage, key, p.relative_to(part).as_posix()))
+        self.fs.put_file(str(part / MANIFEST), self._remote(stage, key, MANIFEST))  # the commit point
+
+    # ---- run summaries -----------------------------------------------------------------
+    def write_run(self, run_id: str, summary: dict) -> str:
+        text = json.dumps(summary, indent=2, sort_keys=True, default=str)
+        if self.local:
+            d = self.root / "runs"
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{run_id}.json.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, d / f"{run_id}.json")
+            return str(d / f"{run_id}.json")
+        path = self._remote("runs", f"{run_id}.json")
+        self.fs.makedirs(self._remote("runs"), exist_ok=True)
+        with self.fs.open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def runs(self, warn: Callable[[str], None] | None = None) -> list[dict]:
+        """All readable run summaries, oldest first.
+
+        A summary that cannot be read or is not a run summary (truncated, not JSON, missing fields)
+        is skipped: ``warn`` (default: a logged warning) gets one line naming the file.
+        """
+        if warn is None:
+            import logging
+
+            warn = logging.getLogger(__name__).warning
+        out = []
+        if self.local:
+            paths = sorted((self.root / "runs").glob("*.json")) if (self.root / "runs").is_dir() else []
+            sources = [(str(p), p.read_bytes) for p in paths]
+        else:
+            rd = self._remote("runs")
+            paths = sorted(self.fs.glob(rd + "/*.json")) if self.fs.exists(rd) else []
+            sources = [(p, (lambda p=p: self.fs.cat_file(p))) for p in paths]
+        for name, read in sources:
+            try:
+                summary = json.loads(read().decode("utf-8"))
+                problem = run_summary_problem(summary)
+            except OSError as e:
+                problem = f"cannot be read ({e.strerror or e})"
+            except UnicodeDecodeError:
+                problem = "is not UTF-8 text"
+            except json.JSONDecodeError as e:
+                problem = f"is not valid JSON (line {e.lineno}: {e.msg})"
+            if problem:
+                warn(f"run summary {name} {problem}; skipped (remove the file if the run is not needed)")
+                continue
+            out.append(summary)
+        return sorted(out, key=lambda r: r.get("started_at", ""))
+
+    def partials(self) -> list[Path]:
+        """In-progress directories left by interrupted runs (resumed by a rerun of the same key)."""
+        return sorted(p for p in self.work.glob("*/.*.partial") if p.is_dir())
+
+    @staticmethod
+    def partial_owner(path: Path) -> tuple[str, str]:
+        """(stage, key) of a partial directory ``<stage>/.<key>.partial``."""
+        return path.parent.name, path.name[1:-len(".partial")]
+
+    def partial_in_use(self, stage: str, key: str) -> bool:
+        """Whether a process holds the lock of (stage, key), i.e. is working on its partial directory."""
+        lock_path = self.work / stage / f".{key}.lock"
+        if not lock_path.is_file():
+            return False
+        with open(lock_path, "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+    def remove_partials(self, keep: set[tuple[str, str]] | frozenset = frozenset(),
+                        dry_run: bool = False) -> tuple[list[Path], list[Path]]:
+        """Remove partial directories no process is working on; ``keep`` lists (stage, key) pairs to
+        leave alone. Returns (removed — or, with ``dry_run``, removable —, in use)."""
+        removed, busy = [], []
+        for part in self.partials():
+            stage, key = self.partial_owner(part)
+            if (stage, key) in keep:
+                continue
+            lock_path = part.parent / f".{key}.lock"
+            with open(lock_path, "a") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy.append(part)
+                    continue
+                try:  # removed while holding the lock: no process can start on it meanwhile
+                    if not dry_run:
+                        shutil.rmtree(part)
+                    removed.append(part)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+        return removed, busy
+
+
+def run_summary_problem(summary: Any) -> str | None:
+    """What is wrong with a run summary (as ``drafter runs`` reads it), or None."""
+    if not isinstance(summary, dict):
+        return "is not a JSON object"
+    for k, typ in (("run_id", str), ("status", str), ("started_at", str), ("stages", list),
+                   ("computed", list), ("reused", list)):
+        if not isinstance(summary.get(k), typ):
+            return f"has no valid `{k}`"
+    for i, s in enumerate(summary["stages"]):
+        if not isinstance(s, dict) or not all(k in s for k in ("stage", "key", "status", "seconds", "metrics")):
+            return f"has an invalid stages[{i}] entry"
+        if not isinstance(s["metrics"], dict) or not isinstance(s["seconds"], (int, float)):
+            return f"has an invalid stages[{i}] entry"
+        if s["status"] == "reused" and not isinstance(s.get("compute_seconds"), (int, float)):
+            return f"has an invalid stages[{i}] entry"
+    return None

@@ -1,0 +1,589 @@
+"""Capturing target features: the hidden states a drafter is trained on.
+
+The target runs (transformers, float32) over each tokenized conversation; per token we keep
+
+* ``hidden_final`` — the **LM-head input**: the last decoder layer's output *after* the final
+  norm (``model.norm``). This is exactly what vLLM feeds an MTP drafter during speculative
+  decoding: GLM-4-MoE's model returns ``hidden_states, _ = self.norm(hidden_states, residual)``
+  (vllm/model_executor/models/glm4_moe.py:490; DeepSeek-V2/V3 the same, deepseek_v2.py:1589),
+  the runner passes that output on as ``target_hidden_states = hidden_states[:num_scheduled_tokens]``
+  (vllm/v1/worker/gpu_model_runner.py:4958), and the MTP layer normalizes it again with ``hnorm``
+  before ``eh_proj`` (glm4_moe_mtp.py:118, deepseek_mtp.py). So the drafter sees post-norm states.
+* ``hidden_layer_{i}`` for each configured ``i`` — the residual stream *entering* decoder layer
+  ``i`` (``0`` = token embeddings, ``num_hidden_layers`` = the last layer's output before the
+  final norm): vLLM's EAGLE-3 aux-hidden-state index (``hidden_states + residual`` after ``i``
+  layers, vllm/model_executor/models/llama.py:429-441, interfaces.py:1608-1610), and
+  transformers' ``output_hidden_states[i]`` for ``i < num_hidden_layers`` (transformers 5
+  returns the post-norm state at the last index; here that is ``hidden_final``).
+
+Shard format (``features/<split>/shard-00000.safetensors``; conversations packed back to back):
+
+=================== ============ ===========================================================
+tensor              shape/dtype  meaning
+=================== ============ ===========================================================
+``input_ids``       [T] int64    token ids (chat template applied, truncated to max_seq_len)
+``loss_mask``       [T] bool     True on assistant tokens (the ones to train on)
+``seq_offsets``     [N+1] int64  conversation ``k`` is rows ``seq_offsets[k]:seq_offsets[k+1]``
+``hidden_final``    [T, H]       LM-head input (post final norm), float32 or bfloat16
+``hidden_layer_{i}`` [T, H]      residual stream entering decoder layer i
+=================== ============ ===========================================================
+
+Metadata (safetensors header, strings): ``format``, ``split``, ``row_ids`` (JSON list, one per
+conversation), ``layers`` (JSON), ``hidden_size``, ``dtype``, ``num_tokens``,
+``num_sequences``, ``truncated`` (JSON list of row ids cut to max_seq_len), ``plan`` (hash of
+the shard's token ids, used to verify a shard kept on resume).
+
+Example::
+
+    from drafter.data.capture import iter_feature_shards
+    for shard in iter_feature_shards(capture_artifact, "train"):
+        h = shard.tensors["hidden_final"]            # [T, H]
+        for k, row_id in enumerate(shard.row_ids):
+            seq = shard.sequence(k)                  # dict of per-conversation slices
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from drafter.core.files import atomic_path, list_shards, shard_name, tokenize_conversation
+from drafter.core.errors import StageError, describe_value
+
+FORMAT = "drafter-features/1"
+SPLITS = ("train", "heldout")
+FINAL = "hidden_final"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layer_tensor_name(i: int) -> str:
+    return f"hidden_layer_{i}"
+
+
+def hidden_tensor_names(layers: Iterable[int]) -> list[str]:
+    """Names of the hidden-state tensors a shard holds, final first."""
+    return [FINAL] + [layer_tensor_name(i) for i in layers]
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+@dataclass
+class Sequence:
+    """One tokenized conversation."""
+
+    row_id: str
+    split: str
+    input_ids: torch.Tensor  # [n] int64
+    loss_mask: torch.Tensor  # [n] bool
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def template_kwargs_for(row: dict) -> dict:
+    """Chat-template arguments of a row: its ``chat_template_kwargs`` if present, else
+    ``enable_thinking`` derived from ``mode`` (``thinking`` / ``non-thinking``)."""
+    kw = row.get("chat_template_kwargs")
+    if isinstance(kw, dict):
+        return kw
+    mode = str(row.get("mode") or "").lower().replace("_", "-")
+    if mode in ("thinking", "think", "on"):
+        return {"enable_thinking": True}
+    if mode in ("non-thinking", "no-thinking", "nothink", "off"):
+        return {"enable_thinking": False}
+    return {}
+
+
+def tokenize_rows(tokenizer, rows: Iterable[dict], max_seq_len: int,
+                  on_row: Callable[[], None] | None = None) -> list[Sequence]:
+    """Tokenize conversation rows (``id``, ``split``, ``messages``) into :class:`Sequence` s,
+    truncated to ``max_seq_len`` tokens. Bad rows raise :class:`StageError` naming the row."""
+    seqs = []
+    for row in rows:
+        rid = row.get("id")
+        if rid is None:
+            raise StageError(f"a row has no 'id' (it is {describe_value(row)})")
+        split = row.get("split")
+        if split not in SPLITS:
+            raise StageError(f"row {rid!r}: split must be one of {SPLITS}, got {describe_value(split)}")
+        ids, mask = tokenize_conversation(tokenizer, row.get("messages") or [], row_id=rid,
+                                          template_kwargs=template_kwargs_for(row))
+        truncated = len(ids) > max_seq_len
+        seqs.append(Sequence(str(rid), split, torch.tensor(ids[:max_seq_len], dtype=torch.int64),
+                             torch.tensor(mask[:max_seq_len], dtype=torch.bool), truncated))
+        if on_row:
+            on_row()
+    return seqs
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class ShardPlan:
+    split: str
+    index: int
+    seqs: list[Sequence]
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.index, "safetensors")
+
+    @property
+    def relpath(self) -> str:
+        return f"{self.split}/{self.name}"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.seqs)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for s in self.seqs:
+            h.update(s.row_id.encode() + b"\0")
+            h.update(s.input_ids.numpy().tobytes())
+            h.update(s.loss_mask.numpy().tobytes())
+        return h.hexdigest()[:32]
+
+
+def plan_shards(seqs: list[Sequence], shard_tokens: int) -> list[ShardPlan]:
+    """Cut each split's sequences, in order, into shards of about ``shard_tokens`` tokens
+    (a shard closes once it reaches ``shard_tokens``). Deterministic, so a retry finds the
+    same shards."""
+    plans: list[ShardPlan] = []
+    for split in SPLITS:
+        cur: list[Sequence] = []
+        n = 0
+        for s in (s for s in seqs if s.split == split):
+            cur.append(s)
+            n += len(s)
+            if n >= shard_tokens:
+                plans.append(ShardPlan(split, sum(p.split == split for p in plans), cur))
+                cur, n = [], 0
+        if cur:
+            plans.append(ShardPlan(split, sum(p.split == split for p in plans), cur))
+    return plans
+
+
+def bytes_per_token(num_hidden: int, hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: hidden tensors + input_ids (int64) + loss_mask (bool)."""
+    return num_hidden * hidden_size * DTYPES[dtype].itemsize + 8 + 1
+
+
+def estimate_bytes(num_tokens: int, num_sequences: int, num_hidden: int, hidden_size: int, dtype: str,
+                   num_shards: int = 1) -> int:
+    """Bytes the shards will take: tokens × (hidden tensors × hidden × dtype bytes + ids + mask),
+    plus offsets and a header allowance per shard."""
+    return (num_tokens * bytes_per_token(num_hidden, hidden_size, dtype)
+            + 8 * (num_sequences + num_shards) + 4096 * num_shards + 64 * num_sequences)
+
+
+def check_disk(directory: Path, need_bytes: int, margin: float) -> int:
+    """Raise :class:`StageError` unless the disk holding ``directory`` has at least
+    ``margin × need_bytes`` free; returns the free bytes."""
+    directory = Path(directory)
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < margin * need_bytes:
+        raise StageError(
+            f"not enough disk for capture at {directory}: the features need an estimated "
+            f"{need_bytes:,} bytes ({need_bytes / 2**30:.2f} GiB; × margin {margin:g} = "
+            f"{int(margin * need_bytes):,} bytes) but only {free:,} bytes ({free / 2**30:.2f} GiB) are free. "
+            "Free space, point store.root elsewhere, or reduce capture.layers / capture.max_seq_len / "
+            "the number of prompts, or store capture.dtype=bfloat16."
+        )
+    return free
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def load_target_model(model_dir: str | Path, dtype: str = "float32"):
+    """Load a target checkpoint for capture (transformers, eval mode, SDPA attention). Keys
+    transformers does not know (e.g. an MTP layer) are ignored quietly."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+class HiddenStates:
+    """Callable that runs the target's decoder (no LM head) and returns the requested hidden
+    states, ``{name: [B, T, H]}``. Layer states are taken with forward hooks (the embedding
+    output for ``i = 0``, decoder layer ``i-1``'s output otherwise), so nothing else is kept.
+
+    Use as a context manager (removes its hooks on exit)::
+
+        with HiddenStates(model, layers=[1]) as hs:
+            out = hs(input_ids, attention_mask)   # {"hidden_final": …, "hidden_layer_1": …}
+    """
+
+    def __init__(self, model, layers: Iterable[int] = ()):
+        self.model = model
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = list(layers)
+        n = int(text_config(model).num_hidden_layers)
+        bad = [i for i in self.layers if not 0 <= i <= n]
+        if bad:
+            raise StageError(f"capture.layers {bad} out of range: the target has {n} decoder layers (valid: 0..{n})")
+        self._got: dict[str, torch.Tensor] = {}
+        self._hooks = []
+        decoder_layers = self.decoder.layers
+        for i in self.layers:
+            mod = self.decoder.embed_tokens if i == 0 else decoder_layers[i - 1]
+            self._hooks.append(mod.register_forward_hook(self._keeper(layer_tensor_name(i))))
+
+    def _keeper(self, name: str):
+        def hook(module, args, output):
+            self._got[name] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        self._got = {}
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        got = {FINAL: out.last_hidden_state}
+        for i in self.layers:
+            got[layer_tensor_name(i)] = self._got[layer_tensor_name(i)]
+        self._got = {}
+        return got
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self) -> "HiddenStates":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group sequence indices into forward batches: longest first, each batch padded to its
+    longest sequence with ``count × longest ≤ batch_tokens`` (a longer sequence goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for k in order:
+        longest = lengths[cur[0]] if cur else lengths[k]
+        if cur and (len(cur) + 1) * longest > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(k)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def pad_batch(seqs: list[Sequence], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-padded ``[B, T]`` input ids and attention mask (``None`` when nothing is padded)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.int64)
+    att = torch.zeros((len(seqs), T), dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = s.input_ids
+        att[b, : len(s)] = 1
+    return ids, (None if bool(att.all()) else att)
+
+
+def capture_shard(hs: HiddenStates, seqs: list[Sequence], batch_tokens: int, dtype: str,
+                  on_batch: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Run the target over ``seqs`` and return the shard's packed tensors (see module doc)."""
+    lengths = [len(s) for s in seqs]
+    offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    total = int(offsets[-1])
+    names = hidden_tensor_names(hs.layers)
+    H = int(text_config(hs.model).hidden_size)
+    store = DTYPES[dtype]
+    packed = {n: torch.empty((total, H), dtype=store) for n in names}
+    for batch in make_batches(lengths, batch_tokens):
+        bseqs = [seqs[k] for k in batch]
+        ids, att = pad_batch(bseqs)
+        got = hs(ids, att)
+        # destination rows in the packed tensors, in the batch's row-major valid order
+        dest = torch.cat([torch.arange(int(offsets[k]), int(offsets[k + 1])) for k in batch])
+        valid = None if att is None else att.bool()
+        for n in names:
+            h = got[n]
+            flat = h.reshape(-1, h.shape[-1]) if valid is None else h[valid]
+            packed[n].index_copy_(0, dest, flat.to(store))
+        if on_batch:
+            on_batch(int(dest.numel()))
+    return {
+        "input_ids": torch.cat([s.input_ids for s in seqs]),
+        "loss_mask": torch.cat([s.loss_mask for s in seqs]),
+        "seq_offsets": offsets,
+        **packed,
+    }
+
+
+# --------------------------------------------------------------------------- checks and files
+
+
+def _describe_rows(rows: list[int], offsets: torch.Tensor, row_ids: list[str], limit: int = 20) -> str:
+    shown = ", ".join(map(str, rows[:limit])) + (f", … ({len(rows)} rows)" if len(rows) > limit else "")
+    seq_idx = torch.searchsorted(offsets, torch.tensor(rows), right=True) - 1
+    convs = list(dict.fromkeys(row_ids[int(k)] for k in seq_idx))
+    conv = ", ".join(map(str, convs[:limit])) + (" …" if len(convs) > limit else "")
+    return f"rows [{shown}] (conversations: {conv})"
+
+
+def check_features(tensors: dict[str, torch.Tensor], shard: str, row_ids: list[str]) -> None:
+    """Fail on token rows that are all zero or not finite in any hidden-state tensor, naming
+    the shard, the tensor and the row indices (and their conversations). ``hidden_layer_0``
+    (the embedding output) is exempt from the zero check: a padding token's embedding may
+    legitimately be zero."""
+    problems = []
+    offsets = tensors["seq_offsets"]
+    for name, t in tensors.items():
+        if not name.startswith("hidden_"):
+            continue
+        nonfinite = (~torch.isfinite(t)).any(dim=-1)
+        if bool(nonfinite.any()):
+            rows = nonfinite.nonzero().flatten().tolist()
+            problems.append(f"{name}: non-finite values in {_describe_rows(rows, offsets, row_ids)}")
+        if name != layer_tensor_name(0):
+            zero = (t == 0).all(dim=-1)
+            if bool(zero.any()):
+                rows = zero.nonzero().flatten().tolist()
+                problems.append(f"{name}: all-zero {_describe_rows(rows, offsets, row_ids)}")
+    if problems:
+        raise StageError(f"capture shard {shard} has bad hidden states (shard not written):\n  " + "\n  ".join(problems))
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_feature_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
+    """Write one shard (safetensors format) atomically; returns its size in bytes.
+
+    The header lists tensors and metadata in sorted order, so the same tensors give the same
+    bytes (``safetensors.save_file`` orders metadata arbitrarily): a resumed capture is
+    byte-identical to an uninterrupted one."""
+    import struct
+
+    header: dict = {"__metadata__": dict(sorted(meta.items()))}
+    arrays, off = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name}: dtype {t.dtype} not supported in feature shards")
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + raw.numel()]}
+        arrays.append(raw)
+        off += raw.numel()
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-len(hjson) % 8)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(hjson)))
+            f.write(hjson)
+            for raw in arrays:
+                f.write(memoryview(raw.numpy()))
+    return path.stat().st_size
+
+
+def read_shard_metadata(path: Path) -> dict[str, str] | None:
+    """The safetensors metadata of a shard, or ``None`` if the file is unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:
+        return None
+
+
+@dataclass
+class CaptureResult:
+    tokens: int = 0
+    sequences: int = 0
+    shards: int = 0
+    shards_reused: int = 0
+    tokens_computed: int = 0
+    compute_seconds: float = 0.0
+    estimated_bytes: int = 0
+    bytes_written: int = 0
+    truncated: int = 0
+    per_split: dict = field(default_factory=dict)
+    shard_files: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_computed / self.compute_seconds if self.compute_seconds > 0 else 0.0
+
+    def metrics(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "bytes_per_token": round(self.bytes_written / self.tokens, 1) if self.tokens else 0.0,
+            "shards": self.shards,
+            "estimated_bytes": self.estimated_bytes,
+            "bytes_written": self.bytes_written,
+            "shards_reused": self.shards_reused,
+            "truncated": self.truncated,
+        }
+
+
+def capture_features(
+    model,
+    seqs: list[Sequence],
+    out_dir: Path,
+    *,
+    layers: Iterable[int] = (),
+    dtype: str = "float32",
+    batch_tokens: int = 4096,
+    shard_tokens: int = 16384,
+    min_free_margin: float = 1.2,
+    on_tokens: Callable[[int], None] | None = None,
+) -> CaptureResult:
+    """Capture features of ``seqs`` into ``out_dir/<split>/shard-*.safetensors``.
+
+    Before any forward pass: estimates the bytes still to write and refuses (``StageError``
+    with both numbers) when free disk < ``min_free_margin`` × that estimate. Shards already in
+    ``out_dir`` whose metadata matches the plan are kept (resume); others are recomputed. Each
+    shard is checked (:func:`check_features`) before it is written atomically.
+    """
+    out_dir = Path(out_dir)
+    layers = list(layers)
+    names = hidden_tensor_names(layers)
+    H = int(text_config(model).hidden_size)
+    plans = plan_shards(seqs, shard_tokens)
+    res = CaptureResult(tokens=sum(len(s) for s in seqs), sequences=len(seqs), shards=len(plans),
+                        truncated=sum(s.truncated for s in seqs))
+    res.estimated_bytes = estimate_bytes(res.tokens, res.sequences, len(names), H, dtype, max(len(plans), 1))
+    for split in SPLITS:
+        sp = [s for s in seqs if s.split == split]
+        res.per_split[split] = {"sequences": len(sp), "tokens": sum(len(s) for s in sp),
+                                "shards": sum(p.split == split for p in plans)}
+
+    # which shards are already done (a previous try of this same output)
+    planned = {p.relpath for p in plans}
+    for split in SPLITS:
+        for f in list_shards(out_dir / split, "safetensors"):
+            if f"{split}/{f.name}" not in planned:
+                f.unlink()
+    done: dict[str, bool] = {}
+    fingerprints = {p.relpath: p.fingerprint() for p in plans}
+    meta_base = {"format": FORMAT, "layers": json.dumps(layers), "hidden_size": str(H), "dtype": dtype,
+                 "hidden_final": "LM-head input: last decoder layer output after the final norm"}
+    for p in plans:
+        path = out_dir / p.relpath
+        meta = read_shard_metadata(path) if path.exists() else None
+        ok = meta is not None and meta.get("plan") == fingerprints[p.relpath] and all(
+            meta.get(k) == v for k, v in meta_base.items())
+        if path.exists() and not ok:
+            path.unlink()
+        done[p.relpath] = ok
+    remaining = [p for p in plans if not done[p.relpath]]
+    need = estimate_bytes(sum(p.num_tokens for p in remaining), sum(len(p.seqs) for p in remaining),
+                          len(names), H, dtype, len(remaining)) if remaining else 0
+    if remaining:
+        check_disk(out_dir, need, min_free_margin)
+
+    with HiddenStates(model, layers) as hs:
+        for p in plans:
+            path = out_dir / p.relpath
+            if done[p.relpath]:
+                res.shards_reused += 1
+                if on_tokens:
+                    on_tokens(p.num_tokens)
+            else:
+                t0 = time.perf_counter()
+                tensors = capture_shard(hs, p.seqs, batch_tokens, dtype, on_batch=on_tokens)
+                row_ids = [s.row_id for s in p.seqs]
+                check_features(tensors, str(path), row_ids)
+                meta = dict(meta_base, split=p.split, row_ids=json.dumps(row_ids),
+                            num_tokens=str(p.num_tokens), num_sequences=str(len(p.seqs)),
+                            truncated=json.dumps([s.row_id for s in p.seqs if s.truncated]),
+                            plan=fingerprints[p.relpath])
+                write_feature_shard(path, tensors, meta)
+                res.compute_seconds += time.perf_counter() - t0
+                res.tokens_computed += p.num_tokens
+            size = path.stat().st_size
+            res.bytes_written += size
+            res.shard_files.append({"path": p.relpath, "tokens": p.num_tokens, "sequences": len(p.seqs),
+                                    "bytes": size, "reused": done[p.relpath]})
+    return res
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class FeatureShard:
+    """One feature shard, loaded: ``tensors`` (see module doc), ``meta`` (header metadata)."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str]
+
+    @property
+    def split(self) -> str:
+        return self.meta["split"]
+
+    @property
+    def row_ids(self) -> list[str]:
+        return json.loads(self.meta["row_ids"])
+
+    @property
+    def layers(self) -> list[int]:
+        return json.loads(self.meta.get("layers", "[]"))
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.tensors["seq_offsets"].numel()) - 1
+
+    def sequence(self, k: int) -> dict[str, torch.Tensor]:
+        """Per-token tensors of conversation ``k`` of this shard (views)."""
+        a, b = (int(x) for x in self.tensors["seq_offsets"][k: k + 2])
+        return {n: t[a:b] for n, t in self.tensors.items() if n != "seq_offsets"}
+
+
+def iter_feature_shards(artifact, split: str, names: Iterable[str] | None = None) -> Iterator[FeatureShard]:
+    """Feature shards of a capture output (an :class:`~drafter.core.stage.Artifact` or its directory)
+    for ``split`` (``train`` / ``heldout``), in order. ``names`` limits which tensors are loaded
+    (``input_ids``, ``loss_mask`` and ``seq_offsets`` always are)."""
+    from safetensors import safe_open
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    root = Path(getattr(artifact, "path", artifact))
+    base = root / "features" if (root / "features").is_dir() else root
+    for path in list_shards(base / split, "safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            keys = list(f.keys())
+            want = keys if names is None else [k for k in keys if k in set(names) | {"input_ids", "loss_mask", "seq_offsets"}]
+            tensors = {k: f.get_tensor(k) for k in want}
+        if meta.get("format") != FORMAT:
+            raise StageError(f"{path}: not a feature shard of format {FORMAT} (got {meta.get('format')!r})")
+        yield FeatureShard(path, tensors, meta)

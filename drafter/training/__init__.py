@@ -1,0 +1,1 @@
+"""Training: losses and the training loop (one run as a stage needs it in :mod:`drafter.training.run`)."""

@@ -1,0 +1,260 @@
+"""Acceptance-targeted drafter training: K-step unrolled drafting, one loss per draft position.
+
+Read top to bottom: the per-window loss, the learning-rate schedule, the loop. For each window
+the drafter drafts K steps (step k fed its own hidden state from step k−1 and the data token
+x_{t+k}); the target distribution at step k is the target's LM head applied to the captured
+LM-head input at t+k (recomputed, never stored); the step losses are weighted exp(−k/γ).
+
+The loop checkpoints every ``checkpoint_every`` steps into ``workdir/ckpt`` (model, optimizer,
+step, history; written atomically). A retry resumes from the last checkpoint: the data order is
+a function of (seed, index), so the resumed run reaches the same final weights as an
+uninterrupted one.
+
+Example::
+
+    result = train(drafter, head_weight, train_windows, eval_windows, cfg.train, workdir)
+    result["final"]["t0"]["tau"]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from drafter.training import losses as L
+from drafter.evaluation.acceptance import acceptance, target_logits
+from drafter.core.config import TrainConfig
+from drafter.models import freeze
+from drafter.core.progress import progress
+from drafter.data.windows import Window, window_order
+
+
+def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfig, weights: torch.Tensor):
+    """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats).
+
+    Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
+    assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
+    """
+    T = len(win.input_ids)
+    un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None], compute_logits=False)
+    target, row_of = None, None
+    if cfg.loss != "ce":  # the target's logits at positions j = 1..T-2 whose next token counts, once for every step
+        need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
+        with torch.no_grad():
+            target = target_logits(win.hidden[need], head_weight)
+        row_of = torch.full((T,), -1, dtype=torch.long)
+        row_of[need] = torch.arange(len(need))
+    total, wsum, stats = 0.0, 0.0, []
+    for k in range(1, cfg.k_steps + 1):
+        n = T - k - 1  # positions whose predicted token x_{t+k+1} exists
+        if n <= 0:
+            break
+        sel = torch.nonzero(win.loss_mask[k + 1:k + 1 + n]).flatten()  # positions t that count
+        if len(sel) == 0:
+            continue
+        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel])
+        tokens = win.input_ids[k + 1 + sel]
+        if cfg.loss == "ce":
+            loss_k, st = L.ce(q, tokens)
+        else:
+            p = target[row_of[sel + k]]  # the target at position t+k
+            if cfg.loss == "ce_l1":
+                loss_k, st = L.ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
+            elif cfg.loss == "lk_hybrid":
+                loss_k, st = L.lk_hybrid(q, p, eta=cfg.eta)
+            else:
+                loss_k, st = L.LOSSES[cfg.loss](q, p)
+        w = float(weights[k - 1])
+        total = total + w * loss_k
+        wsum += w
+        stats.append({"loss": float(loss_k.detach()), **st})
+    if wsum == 0:  # no assistant token in this window: nothing to learn, but keep the graph valid
+        return un.hidden[0].sum() * 0.0, stats
+    return total / wsum, stats
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio · lr`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.max_steps - cfg.warmup_steps, 1)
+    progress_ = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress_)))
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) under torchrun (torch.distributed initialized), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_grads(params, world: int) -> None:
+    """Average gradients over ranks (what DDP does; the drafter's unroll is not a module forward)."""
+    import torch.distributed as dist
+
+    for p in params:  # every rank reduces every parameter, in the same order (a None grad is a zero one)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def _save_checkpoint(path: Path, drafter, opt, step: int, history: list) -> None:
+    """Tensors and plain JSON-like values only (no pickled objects), so that it loads with
+    ``torch.load(weights_only=True)``: a checkpoint file cannot run code. The window order is a
+    function of the step; torch's global RNG state is kept as a uint8 tensor, the history as JSON values."""
+    trainable = {k: v for k, v in drafter.named_parameters() if v.requires_grad}
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save({"step": step, "model": {k: v.detach().clone() for k, v in trainable.items()},
+                "optimizer": opt.state_dict(), "history": json.loads(json.dumps(history)),
+                "torch_rng_state": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    params = dict(drafter.named_parameters())
+    with torch.no_grad():
+        for k, v in ck["model"].items():
+            params[k].copy_(v)
+    opt.load_state_dict(ck["optimizer"])
+    if "torch_rng_state" in ck:
+        torch.set_rng_state(ck["torch_rng_state"])
+    return ck["step"], ck["history"]
+
+
+def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_windows: list[Window],
+          cfg: TrainConfig, workdir: Path, log: Callable[[str], None] = print,
+          stop_after: int | None = None) -> dict:
+    """Train ``drafter`` in place; returns the history and the held-out acceptance before and after.
+
+    ``stop_after``: stop (as if killed) after this many optimizer steps of this call — for tests.
+    """
+    workdir = Path(workdir)
+    ckdir = workdir / "ckpt"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    rank, world = dist_info()
+    if rank != 0:
+        log = lambda *_: None  # noqa: E731 — rank 0 speaks for all
+    torch.manual_seed(cfg.seed)
+    n_trainable, n_frozen = freeze(drafter, cfg.freeze)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    head_weight = head_weight.detach().float()
+
+    start, history = 0, []
+    latest = ckdir / "latest.pt"
+    if latest.is_file():
+        start, history = _load_checkpoint(latest, drafter, opt)
+        log(f"train: resumed from checkpoint at step {start}/{cfg.max_steps}")
+    baseline_path = workdir / "baseline_acceptance.json"
+    if baseline_path.is_file():
+        baseline = json.loads(baseline_path.read_text())
+    else:
+        baseline = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
+        if rank == 0:
+            baseline_path.write_text(json.dumps(baseline))
+    log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
+        f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}")
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    per_step = cfg.micro_batch * cfg.grad_accum
+    drafter.train()
+    t0, tokens = time.monotonic(), 0
+    done_now = 0
+    # each optimizer step consumes per_step × world windows of one seeded stream: rank r takes its
+    # own slice, so N ranks × micro batch m see the windows of 1 rank × micro batch N·m
+    with progress("train" if rank == 0 else f"train (rank {rank})", total=cfg.max_steps, unit="steps") as bar:
+        bar.advance(start)
+        for step in range(start, cfg.max_steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            step_loss, step_stats = 0.0, []
+            for i in range(per_step):
+                win = train_windows[window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)]
+                with autocast:
+                    loss, stats = window_loss(drafter, head_weight, win, cfg, weights)
+                (loss / per_step).backward()
+                step_loss += float(loss.detach()) / per_step
+                step_stats.append(stats)
+                tokens += len(win.input_ids)
+            if world > 1:
+                _all_reduce_grads(params, world)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec = {"step": step + 1, "loss": step_loss, "lr": lr_at(step, cfg), "grad_norm": gnorm}
+            for k in range(cfg.k_steps):
+                vals = [s[k] for s in step_stats if len(s) > k]
+                for key in ("alpha", "lambda", "accuracy"):
+                    xs = [v[key] for v in vals if key in v]
+                    if xs:
+                        rec[f"{key}_{k + 1}"] = sum(xs) / len(xs)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
+                ev = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
+                rec["eval"] = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items()}
+                log(f"train: step {step + 1} loss {step_loss:.4f} held-out τ T=0 {ev['t0']['tau']:.3f} "
+                    f"T=1 {ev['t1_greedy']['tau']:.3f} α(T=0) {[round(a, 3) for a in ev['t0']['alpha']]}")
+            history.append(rec)
+            bar.advance(1)
+            done_now += 1
+            if rank == 0 and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.max_steps):
+                _save_checkpoint(latest, drafter, opt, step + 1, history)
+            if stop_after is not None and done_now >= stop_after and step + 1 < cfg.max_steps:
+                raise KeyboardInterrupt(f"stopped after {done_now} steps (test)")
+    seconds = time.monotonic() - t0
+    if world > 1:  # tokens seen by all ranks together
+        import torch.distributed as dist
+
+        count = torch.tensor([tokens], dtype=torch.int64)
+        dist.all_reduce(count)
+        tokens = int(count)
+    final = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
+    return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
+            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "resumed_from": start, "world_size": world}
+
+
+def plot_curves(history: list[dict], path: Path, title: str) -> Path:
+    """Loss and α per position (train), and held-out τ, against steps (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [h["loss"] for h in history])
+    axes[0].set(title="training loss", xlabel="step")
+    # α per position for distribution losses; for CE (no target distribution) the top-1 accuracy
+    key, what = ("alpha", "α per draft position (train, T=1 probabilistic)")
+    if not any(k.startswith("alpha_") for h in history for k in h):
+        key, what = ("accuracy", "top-1 accuracy per draft position (train)")
+    ks = sorted({int(k.split("_")[1]) for h in history for k in h if k.startswith(f"{key}_")})
+    for k in ks:
+        axes[1].plot(steps, [h.get(f"{key}_{k}", float("nan")) for h in history], label=f"position {k}")
+    axes[1].set(title=what, xlabel="step", ylim=(0, 1))
+    if ks:
+        axes[1].legend()
+    ev = [h for h in history if "eval" in h]
+    for rule, label in (("t0", "T=0"), ("t1_greedy", "T=1 greedy drafts")):
+        axes[2].plot([h["step"] for h in ev], [h["eval"][rule]["tau"] for h in ev], marker="o", label=label)
+    axes[2].set(title="held-out τ", xlabel="step")
+    axes[2].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(".tmp-" + path.name)
+    fig.savefig(tmp, dpi=80, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

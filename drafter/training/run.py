@@ -1,0 +1,116 @@
+"""One training run as a stage needs it: load the drafter and data, train (resumable), write the
+tensors under the release's names, the curves and the results. Shared by `bootstrap_drafter`
+and `train` (and its loss ablations).
+
+Example::
+
+    res = run_training(model_dir, capture_artifact, cfg.train, out_dir, weights=None)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from drafter.core import procs
+from drafter.core.config import TrainConfig
+from drafter.core.files import write_json_atomic
+from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
+from drafter.models.target import read_tensor
+from drafter.core.errors import StageError
+from drafter.training.loop import dist_info, plot_curves, train
+from drafter.data.windows import load_windows
+
+
+def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weights: Path | None = None,
+                 title: str = "drafter training", log=print) -> dict:
+    """Train in ``out/work`` (checkpoints there; a retry resumes), then write into ``out``:
+    ``mtp-trained.safetensors``, ``curves.png``, ``history.jsonl``, ``result.json``. Returns the result.
+    A finished run (``result.json`` present) is not trained again."""
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "result.json"
+    if result_path.is_file() and (out / TRAINED_NAME).is_file():
+        return json.loads(result_path.read_text())
+    rank, world = dist_info()
+    if cfg.nproc_per_node > 1 and world == 1:
+        return _launch_torchrun(model_dir, capture, cfg, out, weights, title)
+    layout = layout_for(model_dir)
+    drafter = load_drafter(model_dir, layout, weights=weights)
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=cfg.k_steps + 2)
+    eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=cfg.k_steps + 2, max_windows=cfg.eval_windows)
+    res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log)
+    if rank != 0:
+        return {}
+    save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
+    plot_curves(res["history"], out / "curves.png", title)
+    with open(out / ".history.jsonl.tmp", "w") as f:
+        for h in res["history"]:
+            f.write(json.dumps(h) + "\n")
+    (out / ".history.jsonl.tmp").replace(out / "history.jsonl")
+    result = {k: v for k, v in res.items() if k != "history"} | {
+        "layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps, "train_windows": len(train_w),
+        "eval_windows": len(eval_w), "weights_in": str(weights) if weights else None}
+    write_json_atomic(result_path, result)
+    shutil.rmtree(out / "work", ignore_errors=True)  # checkpoints served their purpose
+    return result
+
+
+def tau_metrics(result: dict, prefix: str = "") -> dict:
+    """Flat metrics: held-out τ before/after at T=0 and T=1 (greedy drafts), α per position."""
+    b, f = result["baseline"], result["final"]
+    m = {}
+    for rule, name in (("t0", "t0"), ("t1_greedy", "t1")):
+        m[f"{prefix}tau_{name}_before"] = round(b[rule]["tau"], 4)
+        m[f"{prefix}tau_{name}_after"] = round(f[rule]["tau"], 4)
+        m[f"{prefix}tau_{name}_ratio"] = round(f[rule]["tau"] / b[rule]["tau"], 4)
+    m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f["t0"]["alpha"]]
+    return m
+
+
+def _launch_torchrun(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights: Path | None, title: str) -> dict:
+    """Run this training on ``cfg.nproc_per_node`` processes with torchrun and return rank 0's result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc_per_node}",
+           "-m", "drafter.training.run", "--model-dir", str(model_dir), "--capture", str(getattr(capture, "path", capture)),
+           "--config-json", cfg.model_dump_json(), "--out", str(out), "--title", title]
+    if weights is not None:
+        cmd += ["--weights", str(weights)]
+    proc = procs.spawn(cmd)  # its own process group: torchrun and its ranks die with this process
+    try:
+        proc.wait()
+    finally:
+        procs.stop(proc)
+    if proc.returncode != 0:
+        raise StageError(f"torchrun training ({cfg.nproc_per_node} processes) failed with exit code {proc.returncode}; "
+                         f"command: {' '.join(cmd[:8])} …")
+    return json.loads((out / "result.json").read_text())
+
+
+def _main() -> None:
+    """``torchrun --nproc_per_node N -m drafter.training.run --model-dir D --capture C --config-json J --out O``:
+    the same training on N processes (gloo on CPU, NCCL on GPUs); rank 0 writes the outputs."""
+    import argparse
+
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--capture", type=Path, required=True)
+    ap.add_argument("--config-json", required=True, help="a TrainConfig as JSON")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--weights", type=Path)
+    ap.add_argument("--title", default="drafter training")
+    args = ap.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        run_training(args.model_dir, args.capture, TrainConfig.model_validate_json(args.config_json), args.out,
+                     weights=args.weights, title=args.title)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()
