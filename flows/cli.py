@@ -104,31 +104,57 @@ def _load(config: Path, profile: Optional[str], sets: Optional[list[str]], store
     return cfg
 
 
-@app.command()
-@_cli_errors
-def release(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
-            store: Optional[str] = StoreOpt,
-            stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (and what they need)."),
-            prefect_startup_timeout: Optional[float] = typer.Option(
-                None, "--prefect-startup-timeout", metavar="SECONDS",
-                help=f"Start-up limit of the local Prefect API server started when PREFECT_API_URL is not set "
-                     f"(default ${TIMEOUT_ENV}, else {DEFAULT_STARTUP_TIMEOUT_S:.0f})."),
-            ) -> None:
-    """Run the release flow (Prefect: a local API server unless PREFECT_API_URL is set)."""
-    cfg = _load(config, profile, set_, store, check=True, stages=stage)
+def _run_release(cfg: ReleaseConfig, stage: Optional[list[str]], prefect_startup_timeout: Optional[float]) -> dict:
     exit_on_signals()
     from flows.release import release as release_flow
 
     try:
         with prefect_api(prefect_startup_timeout):
-            summary = release_flow(config=cfg, stages=stage)
+            return release_flow(config=cfg, stages=stage)
     except DrafterError as e:
         _fail(e, _exit_code(e))
     except RuntimeError as e:
         if isinstance(e, typer.Exit):
             raise
         _fail(e, 1)
-    _print_outputs(summary)
+
+
+StartupOpt = typer.Option(
+    None, "--prefect-startup-timeout", metavar="SECONDS",
+    help=f"Start-up limit of the local Prefect API server started when PREFECT_API_URL is not set "
+         f"(default ${TIMEOUT_ENV}, else {DEFAULT_STARTUP_TIMEOUT_S:.0f}).")
+
+
+@app.command()
+@_cli_errors
+def release(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
+            store: Optional[str] = StoreOpt,
+            stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (and what they need)."),
+            prefect_startup_timeout: Optional[float] = StartupOpt,
+            ) -> None:
+    """Run the release flow (Prefect: a local API server unless PREFECT_API_URL is set)."""
+    cfg = _load(config, profile, set_, store, check=True, stages=stage)
+    _print_outputs(_run_release(cfg, stage, prefect_startup_timeout))
+
+
+@app.command()
+@_cli_errors
+def publish(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
+            store: Optional[str] = StoreOpt,
+            repo_id: Optional[str] = typer.Option(None, "--repo-id", metavar="ORG/NAME", help="Hub repo (default: publish.repo_id)."),
+            mode: Optional[str] = typer.Option(None, "--mode", help="commit | pr (default: publish.mode)."),
+            dry_run: bool = typer.Option(False, "--dry-run", help="Only build the release folder and the plan."),
+            prefect_startup_timeout: Optional[float] = StartupOpt,
+            ) -> None:
+    """Publish the release to the Hub: the release flow up to `publish` (finished stages are reused), sending
+    the release folder unless --dry-run. The token is read from $HF_TOKEN (publish.token_env)."""
+    sets = list(set_ or []) + [f"publish.dry_run={'true' if dry_run else 'false'}"]
+    if repo_id:
+        sets.append(f"publish.repo_id={repo_id}")
+    if mode:
+        sets.append(f"publish.mode={mode}")
+    cfg = _load(config, profile, sets, store, check=True, stages=["publish"])
+    _print_outputs(_run_release(cfg, ["publish"], prefect_startup_timeout))
 
 
 def _print_outputs(summary: dict) -> None:
@@ -154,6 +180,33 @@ def _print_outputs(summary: dict) -> None:
     if report:
         console.print("\n[bold]release report[/bold]")
         console.print(report, markup=False, highlight=False)
+    _print_publish(summary)
+
+
+def _print_publish(summary: dict) -> None:
+    """The card's path and the publish plan (or what was published)."""
+    s = next((s for s in summary["stages"] if s["stage"] == "publish" and s["status"] in ("computed", "reused")), None)
+    if s is None:
+        return
+    out = Path(s["path"])
+    try:
+        plan = json.loads((out / "publish-plan.json").read_text())
+        result = json.loads((out / "publish.json").read_text())
+    except (OSError, ValueError):
+        return
+    console.print(f"\n[bold]model card[/bold]: {out / 'release' / 'README.md'}")
+    console.print(f"[bold]publish plan[/bold] ({out / 'publish-plan.json'}): release {plan['release_id']} → "
+                  f"{plan['repo_id']} ({plan['mode']} on {plan['branch']}{', tag ' + plan['tag'] if plan.get('tag') else ''}), "
+                  f"{len(plan['files'])} files, {plan['total_bytes']:,} bytes", markup=False, highlight=False)
+    for f in plan["files"]:
+        console.print(f"  {f['path']:<48} {f['size']:>12,}  {f['sha256'][:16]}", markup=False, highlight=False)
+    if result.get("status") == "dry_run":
+        console.print(f"dry run: nothing sent. Send it with: {result.get('send')} (token in ${plan.get('token_env', 'HF_TOKEN')})",
+                      markup=False, highlight=False)
+    else:
+        where = result.get("pr_url") or result.get("commit_url") or result.get("commit_sha")
+        console.print(f"{result['status']}: {where}" + (f" (tag {result['tag']})" if result.get("tag") else ""),
+                      markup=False, highlight=False)
 
 
 @app.command("stage")

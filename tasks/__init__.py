@@ -10,10 +10,13 @@ Also runnable without Prefect, as a container does: ``python -m tasks <stage> --
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
@@ -61,13 +64,35 @@ def _artifact_key(name: str) -> str:
 )
 def stage_task(cfg: ReleaseConfig, name: str) -> dict[str, Any]:
     """Reuse or compute one stage's output; returns its StageResult as a dict."""
-    result = run_stage(cfg, name)
+    with hub_token(cfg, name):
+        result = run_stage(cfg, name)
     print(result.line())
+    card = Path(result.path) / "release" / "README.md"
+    if name == "publish" and card.is_file():
+        create_markdown_artifact(markdown=card.read_text(), key="model-card", description=f"model card of {cfg.name}")
     rows = [{"metric": k, "value": v if isinstance(v, (int, float, str)) else str(v)} for k, v in result.metrics.items()]
     rows = [{"metric": "status", "value": result.status}, {"metric": "key", "value": result.key},
             {"metric": "output", "value": result.path}, *rows]
     create_table_artifact(table=rows, key=_artifact_key(name), description=f"{name}: {result.status} ({result.key})")
     return result.to_dict()
+
+
+@contextmanager
+def hub_token(cfg: ReleaseConfig, name: str) -> Iterator[None]:
+    """For a `publish` that sends: when ``publish.token_env`` is not set in this worker's environment and
+    ``publish.token_block`` names a Prefect Secret block, the token is read from the block and put into
+    the environment for the stage only (never into parameters, results or logs)."""
+    pc = cfg.publish
+    if name != "publish" or pc.dry_run or os.environ.get(pc.token_env) or not pc.token_block:
+        yield
+        return
+    from prefect.blocks.system import Secret
+
+    os.environ[pc.token_env] = str(Secret.load(pc.token_block).get())
+    try:
+        yield
+    finally:
+        os.environ.pop(pc.token_env, None)
 
 
 def for_stage(name: str, cfg: ReleaseConfig | None = None):

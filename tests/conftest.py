@@ -33,3 +33,21 @@ def tiny_target(tmp_path_factory):
     from tests.helpers.targets import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target") / "model")
+
+
+@pytest.fixture(scope="session")
+def finished_store(tiny_target, tmp_path_factory):
+    """A finished store: every stage up to ``gate`` run once per session on ``tiny_target`` with vLLM
+    serving (ab_live has real numbers; quantize_fp8/verify_fp8 run on a stand-in FP8 release made from the
+    forced-on bootstrap; quantize_exl3 is skipped without CUDA; ``gate.force`` is set). Returns
+    ``{"cfg": ReleaseConfig, "store": Store, "inputs": {stage: Artifact}, "summary": run summary,
+    "seconds": wall time}``; ``inputs`` holds every stage's finished (or skipped) output, ready for
+    ``build_release_folder(cfg, inputs, out, ...)``. Needs the serving env (DRAFTER_SERVE_PYTHON)."""
+    from drafter.serving.server import ServingError, serving_python
+    from tests.helpers.finished_store import build_finished_store
+
+    try:
+        serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for the finished store (make test builds it): {e}")
+    return build_finished_store(tiny_target, tmp_path_factory.mktemp("finished"))

@@ -133,7 +133,7 @@ def test_release_flow_against_prefect_server(toy, tmp_path):
         else:
             pytest.fail("prefect server did not start in 120 s")
         script = (
-            "import sys; from drafter import stages as r; from tests.test_store import TOY\n"
+            "import sys; from drafter.core import registry as r; from tests.test_store import TOY\n"
             "r.ORDER = tuple(TOY); r.get = lambda n: TOY[n]\n"
             "from drafter.core.config import ReleaseConfig; from flows.release import release\n"
             f"s = release(config=ReleaseConfig(store={{'root': {str(tmp_path / 'st')!r}}}, retries=0))\n"

@@ -490,6 +490,8 @@ class PublishConfig(Section):
     endpoint: str | None = Operational(None, description="Hub endpoint; default: `HF_ENDPOINT` or https://huggingface.co.")
     token_env: str = Operational("HF_TOKEN", description="Environment variable holding the Hub token (never stored, "
                                  "logged or put into parameters).")
+    token_block: str | None = Operational(None, description="Deployments: name of a Prefect Secret block holding the token, "
+                                          "read by the worker when `token_env` is not set.")
     commit_message: str = Field("Release {name} {version}", description="Commit / PR title; `{name}`, `{version}`, `{key}` "
                                 "as for `tag`. The release id is appended as a trailer.")
     dry_run: bool = Field(True, description="Write the release folder and publish-plan.json, send nothing "

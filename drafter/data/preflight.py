@@ -111,9 +111,18 @@ def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_sou
             raise ConfigError(f"prepare_target.source=embedded: {e}") from None
     _check_splits(cfg, convs, todo)
     _check_serving(cfg, todo)
+    _check_publish(cfg, todo)
     if check_lengths and "generate" in todo and target_art is not None:
         report.longest_prompt = _check_lengths(cfg, convs, target_art)
     return report
+
+
+def _check_publish(cfg: ReleaseConfig, todo: list[str]) -> None:
+    """A publish that sends needs its token before hours of work, not after."""
+    pc = cfg.publish
+    if "publish" in todo and not pc.dry_run and not os.environ.get(pc.token_env) and not pc.token_block:
+        raise BadInputError(f"publish: no Hub token — the environment variable {pc.token_env} (publish.token_env) is not "
+                            "set and no Prefect Secret block is named (publish.token_block); set one, or publish as a dry run")
 
 
 # ---------------------------------------------------------------------------------------- config

@@ -41,6 +41,27 @@ def _keys(path: Path) -> list[str]:
         return list(f.keys())
 
 
+def drafter_index(index: dict, drafter_keys, drafter_file_name: str, *, allow_new_keys: bool = False,
+                  what: str = "the drafter file", index_path: Path | str = INDEX_NAME) -> dict:
+    """A copy of the target's ``index`` (a ``model.safetensors.index.json`` as a dict) with every key of
+    ``drafter_keys`` pointed at ``drafter_file_name``; a target shard left holding only drafter keys is then
+    no longer referenced. Keys not in the target's index are an error (listing them) unless ``allow_new_keys``.
+
+    Example::
+
+        index = drafter_index(json.loads((target / INDEX_NAME).read_text()), keys, "mtp-trained.safetensors")
+    """
+    weight_map: dict[str, str] = dict(index["weight_map"])
+    unknown = sorted(set(drafter_keys) - set(weight_map))
+    if unknown and not allow_new_keys:
+        more = f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""
+        raise StageError(f"{what}: {len(unknown)} tensor(s) not in the target's index {index_path}: "
+                         f"{unknown[:10]}{more}")
+    for k in drafter_keys:
+        weight_map[k] = drafter_file_name
+    return {**index, "weight_map": dict(sorted(weight_map.items()))}
+
+
 def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Path | str, *,
                       config_updates: dict | None = None, allow_new_keys: bool = False) -> Path:
     """Build ``out``: the target at ``target_dir`` with the tensors of ``drafter_file`` in place of its own.
@@ -62,11 +83,8 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
     index = json.loads(index_path.read_text())
     weight_map: dict[str, str] = dict(index["weight_map"])
     new_keys = _keys(drafter_file)
-    unknown = sorted(set(new_keys) - set(weight_map))
-    if unknown and not allow_new_keys:
-        more = f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""
-        raise StageError(f"{drafter_file}: {len(unknown)} tensor(s) not in the target's index {index_path}: "
-                         f"{unknown[:10]}{more}")
+    new_index = drafter_index(index, new_keys, DRAFTER_SHARD, allow_new_keys=allow_new_keys,
+                              what=f"{drafter_file}", index_path=index_path)
     replaced = set(new_keys)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -85,10 +103,7 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
             continue
         os.symlink(item.resolve(), tmp / item.name)
     os.symlink(drafter_file.resolve(), tmp / DRAFTER_SHARD)
-    for k in new_keys:
-        weight_map[k] = DRAFTER_SHARD
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / INDEX_NAME).write_text(json.dumps(new_index, indent=2) + "\n")
     config = json.loads((target_dir / "config.json").read_text()) | (config_updates or {})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)

@@ -40,6 +40,7 @@ from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
 from drafter.serving.served_model import drafter_model_dir
+from drafter.core.hardware import describe
 from drafter.serving.server import engine_version, serve, serving_python
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import released_weights
@@ -137,6 +138,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
                    "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes},
         "servers": server_info, "server_args": list(serving.extra_args),
+        "hardware": describe() if serving.launcher != "url" else None,  # a URL server's machine is not known here
         "seconds": round(time.monotonic() - t_start, 1),
     }
     write_json_atomic(out / "ab_live.json", result)

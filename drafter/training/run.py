@@ -21,6 +21,7 @@ from drafter.core.files import write_json_atomic
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
 from drafter.models.target import read_tensor
 from drafter.core.errors import StageError
+from drafter.core.hardware import describe
 from drafter.training.loop import dist_info, plot_curves, train
 from drafter.data.windows import load_windows
 
@@ -53,7 +54,7 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     (out / ".history.jsonl.tmp").replace(out / "history.jsonl")
     result = {k: v for k, v in res.items() if k != "history"} | {
         "layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps, "train_windows": len(train_w),
-        "eval_windows": len(eval_w), "weights_in": str(weights) if weights else None}
+        "eval_windows": len(eval_w), "weights_in": str(weights) if weights else None, "hardware": describe()}
     write_json_atomic(result_path, result)
     shutil.rmtree(out / "work", ignore_errors=True)  # checkpoints served their purpose
     return result

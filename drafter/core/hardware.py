@@ -1,0 +1,54 @@
+"""What a measurement ran on, for reports and the model card: CPU model, cores, memory, accelerators,
+torch version — never the host name or user.
+
+Example::
+
+    describe()   # {'cpu': 'AMD EPYC 9654 96-Core Processor', 'cores': 2, 'memory_gib': 23.4, 'gpus': [], 'torch': '2.13.0+cpu'}
+    summary(describe())   # 'AMD EPYC 9654 96-Core Processor (2 cores, 23.4 GiB), no GPU'
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def describe() -> dict:
+    """The machine this process runs on (the cores it may use, not the host's total)."""
+    gpus, torch_version = [], None
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": _cpu_model(), "cores": cores, "memory_gib": _memory_gib(), "gpus": gpus, "torch": torch_version,
+            "machine": platform.machine()}
+
+
+def summary(hw: dict) -> str:
+    """One line: ``'<cpu> (2 cores, 23.4 GiB), no GPU'`` or ``'…, 8 × NVIDIA H200'``."""
+    gpus = hw.get("gpus") or []
+    g = f"{len(gpus)} × {gpus[0]}" if gpus else "no GPU"
+    mem = f", {hw['memory_gib']} GiB" if hw.get("memory_gib") else ""
+    return f"{hw.get('cpu')} ({hw.get('cores')} cores{mem}), {g}"

