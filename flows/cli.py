@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -134,7 +135,11 @@ def release(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_:
             ) -> None:
     """Run the release flow (Prefect: a local API server unless PREFECT_API_URL is set)."""
     cfg = _load(config, profile, set_, store, check=True, stages=stage)
-    _print_outputs(_run_release(cfg, stage, prefect_startup_timeout))
+    # the same config, profile, overrides and store, so that only `publish` is computed again
+    send = shlex.join(["drafter", "publish", "-c", str(config), *(["--profile", profile] if profile else []),
+                       *[a for s in set_ or [] for a in ("--set", s)], *(["--store", store] if store else []),
+                       "--repo-id", cfg.publish.repo_id or "ORG/NAME"])
+    _print_outputs(_run_release(cfg, stage, prefect_startup_timeout), send)
 
 
 @app.command()
@@ -157,7 +162,7 @@ def publish(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_:
     _print_outputs(_run_release(cfg, ["publish"], prefect_startup_timeout))
 
 
-def _print_outputs(summary: dict) -> None:
+def _print_outputs(summary: dict, send_cmd: str | None = None) -> None:
     console.print()
     t = Table(title=f"release {summary['release']} — run {summary['run_id']}")
     t.add_column("stage")
@@ -180,10 +185,10 @@ def _print_outputs(summary: dict) -> None:
     if report:
         console.print("\n[bold]release report[/bold]")
         console.print(report, markup=False, highlight=False)
-    _print_publish(summary)
+    _print_publish(summary, send_cmd)
 
 
-def _print_publish(summary: dict) -> None:
+def _print_publish(summary: dict, send_cmd: str | None = None) -> None:
     """The card's path and the publish plan (or what was published)."""
     s = next((s for s in summary["stages"] if s["stage"] == "publish" and s["status"] in ("computed", "reused")), None)
     if s is None:
@@ -194,14 +199,19 @@ def _print_publish(summary: dict) -> None:
         result = json.loads((out / "publish.json").read_text())
     except (OSError, ValueError):
         return
-    console.print(f"\n[bold]model card[/bold]: {out / 'release' / 'README.md'}")
-    console.print(f"[bold]publish plan[/bold] ({out / 'publish-plan.json'}): release {plan['release_id']} → "
-                  f"{plan['repo_id']} ({plan['mode']} on {plan['branch']}{', tag ' + plan['tag'] if plan.get('tag') else ''}), "
-                  f"{len(plan['files'])} files, {plan['total_bytes']:,} bytes", markup=False, highlight=False)
+    console.print(f"\n[bold]model card[/bold]: {out / 'release' / 'README.md'}", highlight=False)
+    console.print(f"[bold]publish plan[/bold]: {out / 'publish-plan.json'}", highlight=False)
+    tag = f", tag {plan['tag']}" if plan.get("tag") else ""
+    t = Table(title=f"release {plan['release_id']} → {plan['repo_id']} ({plan['mode']} on {plan['branch']}{tag}): "
+                    f"{len(plan['files'])} files, {plan['total_bytes']:,} bytes")
+    t.add_column("file", overflow="fold")
+    t.add_column("bytes", justify="right")
+    t.add_column("sha256 (full in the plan)")
     for f in plan["files"]:
-        console.print(f"  {f['path']:<48} {f['size']:>12,}  {f['sha256'][:16]}", markup=False, highlight=False)
+        t.add_row(f["path"], f"{f['size']:,}", f["sha256"][:16] + "…")
+    console.print(t)
     if result.get("status") == "dry_run":
-        console.print(f"dry run: nothing sent. Send it with: {result.get('send')} (token in ${plan.get('token_env', 'HF_TOKEN')})",
+        console.print(f"dry run: nothing sent. Send it with: {send_cmd or result.get('send')} (a write token in $HF_TOKEN)",
                       markup=False, highlight=False)
     else:
         where = result.get("pr_url") or result.get("commit_url") or result.get("commit_sha")

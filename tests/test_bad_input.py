@@ -26,7 +26,7 @@ from flows.cli import app
 REPO = Path(__file__).resolve().parents[1]
 # the verbs a message uses to say what to do
 DIRECTIVE = re.compile(r"\b(fix|set|raise|lower|use|point|give|add|remove|save|check|choose|pick|write|quote|"
-                       r"shorten|drop|install|move|mark|leave|make)\b")
+                       r"shorten|drop|install|move|mark|leave|make|export)\b")
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -184,6 +184,19 @@ def test_too_few_prompts_for_a_heldout_split_says_how_many(tmp_path, ckpt):
 def test_ab_live_concurrency_above_num_turns(tmp_path, ckpt):
     c = write_config(tmp_path, ckpt, ab_live={"concurrency": [1, 16], "num_turns": 3})
     assert_bad(cli("release", "-c", c), "ab_live.concurrency", "num_turns 3", "16", store=tmp_path / "store")
+
+
+def test_server_secret_variables_missing_fail_before_generate(tmp_path, ckpt, monkeypatch):
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    monkeypatch.delenv("NO_SUCH_TOKEN_VAR", raising=False)
+    c = write_config(tmp_path, ckpt, serving={"backend": "vllm", "launcher": "url", "url": "http://127.0.0.1:9/v1",
+                                              "api_key_env": "NO_SUCH_KEY_VAR"})
+    assert_bad(cli("release", "-c", c, "--stage", "generate"), "NO_SUCH_KEY_VAR", "serving.api_key_env",
+               store=tmp_path / "store")
+    c = write_config(tmp_path, ckpt, name="d.yaml",
+                     serving={"backend": "vllm", "env": {"HF_TOKEN": "${NO_SUCH_TOKEN_VAR}"}})
+    assert_bad(cli("release", "-c", c, "--stage", "generate"), "serving.env.HF_TOKEN", "${NO_SUCH_TOKEN_VAR}",
+               store=tmp_path / "store")
 
 
 def test_unknown_stage_in_release(tmp_path, ckpt):

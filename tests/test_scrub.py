@@ -252,3 +252,20 @@ def test_scrub_row_leaves_identity_fields():
     new, counts = scrub_row(row, Scrubber())
     assert new["id"] == "a@b.example.com" and counts == {"email": 1}
     assert new["messages"][0]["content"] == "mail [REDACTED:email]"
+
+
+def test_conversations_equal_once_their_secret_ids_are_scrubbed_name_both_rows():
+    from drafter.core.errors import BadInputError
+    from drafter.data.prompts import Conversation
+    from drafter.data.scrub import scrub_conversations
+
+    msgs = ({"role": "user", "content": "Say hi."}, {"role": "assistant", "content": None})
+    a = Conversation("run with sk-proj-AAAAAAAAAAAAAAAAAAAAAAAAAAAA", "general", "train", msgs, source="u.jsonl",
+                     origin="u.jsonl:3")
+    b = Conversation("run with sk-proj-BBBBBBBBBBBBBBBBBBBBBBBBBBBB", "general", "train", msgs, source="u.jsonl",
+                     origin="u.jsonl:7")
+    out, counts, changed = scrub_conversations([a], Scrubber())
+    assert out[0].id.startswith("redacted-") and counts["api_key"] == 1 and changed == 1
+    with pytest.raises(BadInputError, match=r"u\.jsonl:3 and u\.jsonl:7.*identical once the secrets") as e:
+        scrub_conversations([a, b], Scrubber())
+    assert "AAAA" not in str(e.value) and "BBBB" not in str(e.value)

@@ -318,11 +318,27 @@ def _check_serving(cfg: ReleaseConfig, todo: list[str]) -> None:
                           "ab_live (--stage eval_offline)")
     if not engine_stages:
         return
+    _check_serving_secrets(cfg, engine_stages)
     if s.launcher == "subprocess":
         _check_serving_python(cfg)
     elif s.launcher == "docker" and shutil.which("docker") is None:
         raise ConfigError(f"serving.launcher=docker, but there is no `docker` command on PATH ({', '.join(engine_stages)} "
                           "would start the engine with it); install docker, or use serving.launcher subprocess or url")
+
+
+def _check_serving_secrets(cfg: ReleaseConfig, engine_stages: list[str]) -> None:
+    """The server's API key variable and every ``${VAR}`` of ``serving.env`` exist in this environment
+    (names only: values are never read into a message)."""
+    from drafter.serving.server import ServingError, api_key, expand_env_refs
+
+    s = cfg.serving
+    try:
+        api_key(s)
+        if s.launcher != "url":  # a fixed server has its own environment
+            for name, value in s.env_values().items():
+                expand_env_refs(name, value)
+    except ServingError as e:
+        raise BadInputError(f"{e} ({', '.join(engine_stages)} would start or call the server)") from None
 
 
 def _check_serving_python(cfg: ReleaseConfig) -> None:

@@ -228,11 +228,11 @@ def scrub_conversations(convs: list, scrubber: Scrubber) -> tuple[list, Counter,
     import json
 
     counts: Counter = Counter()
-    out, changed, ids = [], 0, set()
+    out, changed, ids = [], 0, {}
     for c in convs:
         if c.source == "builtin":
             out.append(c)
-            ids.add(c.id)
+            ids[c.id] = c
             continue
         found: Counter = Counter()
         msgs = tuple(m if m["content"] is None else {**m, "content": scrubber.scrub_value(m["content"], found)}
@@ -246,10 +246,13 @@ def scrub_conversations(convs: list, scrubber: Scrubber) -> tuple[list, Counter,
             found.update(scrubber.scrub_text(domain)[1])
             domain = "user"
         if rid in ids:  # two conversations with secret ids, equal after scrubbing
-            from drafter.core.errors import StageError
+            from drafter.core.errors import BadInputError
 
-            raise StageError(f"{c.source}: two conversations are identical once their ids are scrubbed ({rid})")
-        ids.add(rid)
+            prev = ids[rid]
+            raise BadInputError(f"the conversations at {prev.origin or prev.source} and {c.origin or c.source} are "
+                                "identical once the secrets in their ids are removed; remove one of them or give "
+                                "them ids without secrets")
+        ids[rid] = c
         if found:
             changed += 1
             counts.update(found)

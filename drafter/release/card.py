@@ -415,7 +415,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
     config_hash = hashlib.sha256(canonical_json(conf).encode()).hexdigest()[:16]
     keys = {name: a.key for name, a in sorted(inputs.items())}
     repo = repo_id or UNKNOWN_REPO
-    model_name = repo.rsplit("/", 1)[-1] if repo_id else f"{cfg.name}-mtp"
+    model_name = repo.rsplit("/", 1)[-1] if repo_id else (cfg.name if "mtp" in cfg.name.lower() else f"{cfg.name}-mtp")
     forced_warning = None
     if gate.get("forced"):
         forced_warning = ("FORCED RELEASE: the release gate refused this drafter"
