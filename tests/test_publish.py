@@ -13,6 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from drafter import __version__
 from drafter.core.config import ReleaseConfig
 from drafter.core.errors import BadInputError, is_permanent
 from drafter.core.pipeline import run_stage
@@ -138,6 +139,20 @@ def test_publish_through_the_flow_sends_once_and_leaks_the_token_nowhere(prefect
     assert again["status"] == "already_published" and again["commit"] == result["commit_sha"]
     assert len(ours()) == 1 and hub.state.count("POST", "/commit/") == 1  # the dropped response, never a second one
 
+    # the card is the run's `model-card` artifact (the rendered README.md, as published)
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def artifacts(key):
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    cards = asyncio.run(artifacts("model-card"))
+    assert cards and all(a.data == (out / "release" / "README.md").read_text() for a in cards)
+    assert all(TOKEN not in str(a.data) for key in ("model-card", "publish-metrics", "release-summary")
+               for a in asyncio.run(artifacts(key)))
+
     # the planted token: only ever in the Authorization header of requests to the Hub
     needle = TOKEN.encode()
     assert files_containing(store_root, needle) == []
@@ -152,3 +167,30 @@ def test_publish_through_the_flow_sends_once_and_leaks_the_token_nowhere(prefect
     assert seen and all(TOKEN in r.headers.get("authorization", "") for r in seen)
     assert all(TOKEN not in r.path and TOKEN not in json.dumps(r.query) for r in hub.state.requests)
     assert os.environ["HF_TOKEN"] == TOKEN  # (the env is the only place it lives)
+
+
+@pytest.mark.slow
+def test_publish_reads_the_token_from_a_prefect_secret_block_and_opens_one_pr(prefect_harness, finished_store,
+                                                                             monkeypatch):
+    """Deployments: no HF_TOKEN on the worker, the token in a Prefect Secret block named by
+    publish.token_block; PR mode: refs/pr/1 holds the release, main keeps only the Hub's initial commit."""
+    from prefect.blocks.system import Secret
+
+    from flows.release import release
+
+    block_token = "hf_BLOCK_token_for_pr_mode_7e1a"
+    Secret(value=block_token).save("hub-token-test", overwrite=True)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    repo = "acme/tiny-mtp-review"
+    with hub_client_settings(), running_hub(HubState(token=block_token, read_token=None)) as h:
+        cfg = with_publish(finished_store["cfg"], dry_run=False, repo_id=repo, endpoint=h.url, mode="pr",
+                           token_block="hub-token-test", retries=1, retry_backoff_s=0.01, tag="v{version}-review")
+        s = release(config=cfg, stages=["publish"])
+        (pub,) = [x for x in s["stages"] if x["stage"] == "publish"]
+        result = json.loads((Path(pub["path"]) / "publish.json").read_text())
+        r = h.state.repos[repo]
+        assert result["status"] == "published" and result["pr_num"] == 1 and result["pr_url"].endswith("/discussions/1")
+        assert [p.head for p in r.prs] == [result["commit_sha"]] and r.tags[f"v{__version__}-review"] == result["commit_sha"]
+        assert [c.title for c in h.state.log(repo)] == ["initial commit"]  # main untouched
+    assert "HF_TOKEN" not in os.environ  # the block's value was put in the environment for the stage only
+    assert files_containing(Path(cfg.store.root), block_token.encode()) == []

@@ -1,0 +1,149 @@
+"""deployments/prefect.yaml against a real `prefect server start` and a real process worker, both
+started here and stopped by PID: the pools script and `prefect deploy --all` register every
+deployment; the manual release's parameter schema is the ReleaseConfig form (sections,
+descriptions, bounds) and the server refuses a bad value naming the field; the nightly schedule
+carries its cron and timezone; `prefect deployment run release/manual` on a tiny config, executed
+by `prefect worker start --pool process --run-once`, completes and its artifacts are readable
+through the API."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from drafter.core import procs
+from drafter.serving.server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+STAGE_FLOWS = ("prepare-target", "generate", "scrub", "capture", "bootstrap-drafter", "train", "eval-offline",
+               "quantize-fp8", "verify-fp8", "ab-live", "gate", "publish")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real Prefect server (its own PREFECT_HOME and SQLite database), the pools and the deployments."""
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port), "PREFECT_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")
+    proc = procs.spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                       stdout=log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(api + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
+            time.sleep(1)
+        client_env = {**env, "PREFECT_API_URL": api, "DRAFTER_HOME": str(ROOT), "PREFECT": PREFECT}
+        t0 = time.monotonic()
+        subprocess.run(["bash", str(ROOT / "deployments" / "work-pools.sh")], env=client_env, cwd=ROOT, check=True,
+                       capture_output=True, timeout=120)
+        pools_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        dep = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
+                             env=client_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert dep.returncode == 0, dep.stdout[-3000:] + dep.stderr[-3000:]
+        print(f"\npools {pools_s:.1f} s, prefect deploy --all {time.monotonic() - t0:.1f} s")
+        yield {"api": api, "env": client_env, "home": home}
+    finally:
+        procs.stop(proc)
+        log.close()
+
+
+def deployments(api: str) -> dict[str, dict]:
+    flows = {f["id"]: f["name"] for f in httpx.post(api + "/flows/filter", json={}, timeout=30).json()}
+    return {f"{flows[d['flow_id']]}/{d['name']}": d
+            for d in httpx.post(api + "/deployments/filter", json={}, timeout=30).json()}
+
+
+@pytest.mark.slow
+def test_deploy_all_registers_every_deployment_with_the_config_form_and_the_schedule(server):
+    api = server["api"]
+    deps = deployments(api)
+    want = {"release/manual", "release/demo", "retrain/nightly", "stage-capture/gpu", "stage-train/gpu",
+            "stage-quantize-exl3/exl3"} | {f"stage-{s}/process" for s in STAGE_FLOWS}
+    assert set(deps) == want
+    pools = {p["name"]: p for p in httpx.post(api + "/work_pools/filter", json={}, timeout=30).json()}
+    assert {"process", "docker", "kubernetes"} <= set(pools)
+    k8s = pools["kubernetes"]["base_job_template"]
+    assert k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["resources"][
+        "limits"]["nvidia.com/gpu"] == "{{ gpus }}" and "gpus" in k8s["variables"]["properties"]
+    assert deps["stage-train/gpu"]["job_variables"]["gpus"] == 1
+
+    # the manual release: the ReleaseConfig form, every section with its descriptions, defaults and bounds
+    manual = deps["release/manual"]
+    schema = manual["parameter_openapi_schema"]
+    assert {"config", "config_path", "profile", "overrides", "stages"} <= set(schema["properties"])
+    defs = schema["definitions"]
+    from drafter.core.config import ReleaseConfig
+
+    sections = {n: f.annotation.__name__ for n, f in ReleaseConfig.model_fields.items()
+                if isinstance(f.annotation, type) and hasattr(f.annotation, "model_fields")}
+    assert set(sections.values()) <= set(defs)
+    lr = defs["TrainConfig"]["properties"]["lr"]
+    assert lr["exclusiveMinimum"] == 0 and lr["default"] == 5e-4 and lr["description"]
+    assert defs["TrainConfig"]["properties"]["loss"]["enum"] == ["kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1"]
+    assert manual["enforce_parameter_schema"] is True
+
+    # a bad value is refused by the server, naming the field
+    r = httpx.post(api + f"/deployments/{manual['id']}/create_flow_run",
+                   json={"parameters": {"config": {"train": {"lr": -1}}}}, timeout=30)
+    assert r.status_code == 409 and "config.train.lr" in r.text, r.text
+
+    # the nightly retrain: its cron schedule and timezone
+    (sched,) = httpx.get(api + f"/deployments/{deps['retrain/nightly']['id']}/schedules", timeout=30).json()
+    assert sched["active"] and sched["schedule"]["cron"] == "0 3 * * *" and sched["schedule"]["timezone"] == "Europe/Berlin"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_deployment_run_executed_by_a_process_worker_completes(server, tiny_target, tmp_path):
+    api, env = server["api"], server["env"]
+    cfg = {"name": "tiny-deployed", "store": {"root": str(tmp_path / "store")},
+           "prepare_target": {"source": "path", "path": str(tiny_target)},
+           "serving": {"backend": "transformers", "dtype": "float32"},
+           "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 8, "concurrency": 2}, "retries": 0}
+    run = subprocess.run([PREFECT, "deployment", "run", "release/manual", "--params",
+                          json.dumps({"config": cfg, "stages": ["scrub"]})],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    t0 = time.monotonic()
+    worker_log = open(tmp_path / "worker.log", "wb")
+    worker = procs.spawn([PREFECT, "worker", "start", "--pool", "process", "--run-once"], env=env, cwd=tmp_path,
+                         stdout=worker_log, stderr=subprocess.STDOUT)
+    try:
+        worker.wait(timeout=600)
+    finally:
+        procs.stop(worker)
+        worker_log.close()
+    print(f"worker run: {time.monotonic() - t0:.1f} s")
+    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+             if r["parameters"].get("config", {}).get("name") == "tiny-deployed"]
+    assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+    assert fr["parameters"]["stages"] == ["scrub"]
+    arts = httpx.post(api + "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [fr["id"]]}}},
+                      timeout=30).json()
+    keys = {a["key"] for a in arts}
+    assert {"prepare-target-metrics", "generate-metrics", "scrub-metrics", "release-summary"} <= keys, keys
+    summary = next(a for a in arts if a["key"] == "release-summary")
+    assert "completed" in summary["data"] and "| scrub |" in summary["data"]
+    # the outputs are in the store the config named
+    runs = sorted((tmp_path / "store" / "runs").glob("*.json"))
+    assert runs and json.loads(runs[-1].read_text())["status"] == "completed"
+    assert yaml.safe_load((tmp_path / "store" / "scrub").glob("*/manifest.json").__next__().read_text())["stage"] == "scrub"
