@@ -17,6 +17,7 @@ from drafter.data.preflight import preflight
 from drafter.evaluation.report import release_report
 from drafter.core.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
 from flows.api_server import reinstall_signal_handlers
+from flows.events import failure_event
 from tasks import for_stage
 
 
@@ -50,10 +51,16 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
     and `overrides` like `generate.num_prompts=64`).
     """
     reinstall_signal_handlers()  # `drafter release`: a signal ends the run at once (see flows/api_server.py)
-    cfg = resolve_config(config, config_path, profile, overrides)
-    # everything that can be checked before the first stage starts (config across sections, prompt
-    # files, the store root, serving): a bad input fails here in seconds, not after data generation
-    preflight(cfg, stages)
+    cfg = None
+    try:
+        cfg = resolve_config(config, config_path, profile, overrides)
+        # everything that can be checked before the first stage starts (config across sections, prompt
+        # files, the store root, serving): a bad input fails here in seconds, not after data generation
+        preflight(cfg, stages)
+    except Exception as e:
+        name = cfg.name if cfg is not None else getattr(config, "name", None) or "unknown"
+        failure_event(name, None, "preflight" if cfg is not None else "config", e)
+        raise
     store = open_store(cfg)
     planned = plan(cfg, stages)
     run_id, started = new_run_id(), datetime.now(timezone.utc).isoformat()
@@ -72,6 +79,7 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
             r = StageResult(**futures[p.stage.name].result())
         except Exception as e:  # noqa: BLE001 — recorded in the summary, then re-raised
             error = f"{p.stage.name}: {type(e).__name__}: {e}"
+            failed = (p.stage.name, e)
             results.append(StageResult(p.stage.name, p.key, "failed", store.location(p.stage.name, p.key), reason=str(e)))
             break
         if present[p.stage.name]:
@@ -83,5 +91,6 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
                              description=f"release {cfg.name}")
     print(format_table(summary))
     if error:
+        failure_event(cfg.name, run_id, *failed)  # a notification through deployments/automations.yaml
         raise RuntimeError(f"release {cfg.name} failed at {error}")
     return summary

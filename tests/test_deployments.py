@@ -147,3 +147,77 @@ def test_deployment_run_executed_by_a_process_worker_completes(server, tiny_targ
     runs = sorted((tmp_path / "store" / "runs").glob("*.json"))
     assert runs and json.loads(runs[-1].read_text())["status"] == "completed"
     assert yaml.safe_load((tmp_path / "store" / "scrub").glob("*/manifest.json").__next__().read_text())["stage"] == "scrub"
+
+
+NOTIFY_SCRIPT = """
+import sys
+from drafter.core import registry as r
+from drafter.core.config import ReleaseConfig
+from drafter.core.stage import Stage
+from drafter.evaluation.gate import GateRefused
+
+def ok(cfg, inputs, out):
+    (out / "x.txt").write_text("x")
+    return {}
+
+def refuse(cfg, inputs, out):
+    raise GateRefused("gate: refused (tau/greedy/c1)", result={"failed": ["tau/greedy/c1"], "checks": [
+        {"name": "tau/greedy/c1", "passed": False, "value": 1.05, "reference": 1.2, "threshold": 1.176,
+         "detail": "candidate live tau 1.05 vs baseline 1.2"}]})
+
+def broken(cfg, inputs, out):
+    raise ValueError("the drafter file is empty")
+
+mode, store = sys.argv[1], sys.argv[2]
+toy = {"a": Stage("a", "1", (), (), ok), "g": Stage("g", "1", ("a",), (), refuse if mode == "refuse" else broken)}
+r.ORDER = tuple(toy)
+r.get = lambda n: toy[n]
+from flows.release import release
+try:
+    release(config=ReleaseConfig(name=f"notify-{mode}", store={"root": store}, retries=0))
+except Exception as e:
+    print("FAILED", type(e).__name__)
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_and_a_gate_refusal_each_send_one_webhook_notification(server, tmp_path):
+    """deployments/automations.py installs the webhook block and deployments/automations.yaml; a run that
+    fails and one whose gate refuses each emit their event, and the server's automation POSTs one
+    notification each to a receiver on 127.0.0.1 with the reason."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        inst = subprocess.run([sys.executable, str(ROOT / "deployments" / "automations.py"), "--webhook-url",
+                               f"http://127.0.0.1:{httpd.server_port}/hook", "--allow-private-urls"],
+                              env=server["env"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert inst.returncode == 0 and "drafter-release-failed" in inst.stdout, inst.stdout + inst.stderr
+        for mode in ("broken", "refuse"):
+            out = subprocess.run([sys.executable, "-c", NOTIFY_SCRIPT, mode, str(tmp_path / f"store-{mode}")],
+                                 env=server["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert "FAILED RuntimeError" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+        deadline = time.monotonic() + 90
+        while len(received) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(3)  # a duplicate would arrive within this
+    finally:
+        httpd.shutdown()
+    by_subject = {m["subject"]: m["body"] for m in received}
+    assert len(received) == 2, received
+    assert by_subject["drafter release notify-broken failed"].startswith("stage g: ValueError: the drafter file is empty")
+    assert by_subject["drafter release notify-refuse: the gate refused the candidate"].startswith(
+        "failed checks: tau/greedy/c1 (run ")

@@ -35,6 +35,13 @@ class GateRefused(StageError):
 
     permanent = True
 
+    def __init__(self, report: str, result: dict | None = None):
+        super().__init__(report)
+        self.result = result  # the gate.json document (verdict, failed checks with their numbers)
+
+    def __reduce__(self):  # keeps ``result`` across pickling (Prefect's task results)
+        return (type(self), (str(self), self.result))
+
 
 @dataclass
 class Check:

@@ -41,7 +41,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         res = gate_decision(ab, ev, cfg.gate)
     report = gate_report(res)
     if res["verdict"] == "refused":
-        raise GateRefused(report)
+        raise GateRefused(report, result=res)
     write_json_atomic(out / "gate.json", res)
     (out / "gate.md").write_text(report)
     metrics: Metrics = {"gate": res["verdict"], "forced": res["forced"], "checks": len(res["checks"]),
