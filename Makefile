@@ -9,7 +9,7 @@ PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
 SPY         := $(SERVE_VENV)/bin/python
 
-.PHONY: demo test envs env serve-env quick bench clean-store
+.PHONY: demo test envs env serve-env system-deps quick bench clean-store
 
 demo: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) $(if $(PROFILE),--profile $(PROFILE),)
@@ -17,10 +17,17 @@ demo: envs
 quick: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) --profile quick
 
-test: envs
+test: envs system-deps
 	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) -m pytest -q --durations=15 tests
 
 envs: env serve-env
+
+# Debian packages the tests use: chromium (the Prefect UI test drives it with Playwright).
+# Installed when running as root (CI); otherwise the command to run is printed.
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "chromium is missing (the UI test needs it): sudo apt-get install chromium"; fi; }
 
 env: $(VENV)/.installed
 serve-env: $(SERVE_VENV)/.installed

@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server-home")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port), "PREFECT_UI_ENABLED": "false"}
+           # the UI calls the API at these (not at --port): set them, or it calls 4200
+           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")
     proc = procs.spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
@@ -60,10 +61,22 @@ def server(tmp_path_factory):
                              env=client_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert dep.returncode == 0, dep.stdout[-3000:] + dep.stderr[-3000:]
         print(f"\npools {pools_s:.1f} s, prefect deploy --all {time.monotonic() - t0:.1f} s")
-        yield {"api": api, "env": client_env, "home": home}
+        yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": client_env, "home": home}
     finally:
         procs.stop(proc)
         log.close()
+
+
+def run_worker_once(env: dict, cwd: Path) -> None:
+    """``prefect worker start --pool process --run-once`` (log in ``cwd/worker.log``): runs what is
+    scheduled now, then exits; stopped by PID (its process group) at the latest after 600 s."""
+    with open(cwd / "worker.log", "wb") as log:
+        worker = procs.spawn([PREFECT, "worker", "start", "--pool", "process", "--run-once"], env=env, cwd=cwd,
+                             stdout=log, stderr=subprocess.STDOUT)
+        try:
+            worker.wait(timeout=600)
+        finally:
+            procs.stop(worker)
 
 
 def deployments(api: str) -> dict[str, dict]:
@@ -124,14 +137,7 @@ def test_deployment_run_executed_by_a_process_worker_completes(server, tiny_targ
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     t0 = time.monotonic()
-    worker_log = open(tmp_path / "worker.log", "wb")
-    worker = procs.spawn([PREFECT, "worker", "start", "--pool", "process", "--run-once"], env=env, cwd=tmp_path,
-                         stdout=worker_log, stderr=subprocess.STDOUT)
-    try:
-        worker.wait(timeout=600)
-    finally:
-        procs.stop(worker)
-        worker_log.close()
+    run_worker_once(env, tmp_path)
     print(f"worker run: {time.monotonic() - t0:.1f} s")
     (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
              if r["parameters"].get("config", {}).get("name") == "tiny-deployed"]
@@ -221,3 +227,61 @@ def test_a_failure_and_a_gate_refusal_each_send_one_webhook_notification(server,
     assert by_subject["drafter release notify-broken failed"].startswith("stage g: ValueError: the drafter file is empty")
     assert by_subject["drafter release notify-refuse: the gate refused the candidate"].startswith(
         "failed checks: tau/greedy/c1 (run ")
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ui_run_form_in_a_real_browser_starts_a_run_the_worker_completes(server, tiny_target, tmp_path):
+    """Headless Chromium (Debian's) on the server's UI: the custom run form of release/manual shows the
+    config (here prefilled with a tiny one as the deployment's parameters), generate.num_prompts is
+    changed from 24 to 16 and submitted; the worker runs it to completion with that value."""
+    import re
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is required for the UI test (`.ci/run` installs it: apt-get install chromium)")
+    api, ui, env = server["api"], server["ui"], server["env"]
+    dep = deployments(api)["release/manual"]
+    cfg = {"name": "tiny-ui", "store": {"root": str(tmp_path / "store")},
+           "prepare_target": {"source": "path", "path": str(tiny_target)},
+           "serving": {"backend": "transformers", "dtype": "float32"},
+           "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 8, "concurrency": 2}, "retries": 0}
+    r = httpx.patch(api + f"/deployments/{dep['id']}", json={"parameters": {"config": cfg, "stages": ["scrub"]}},
+                    timeout=30)
+    assert r.status_code == 204, r.text
+    shot = tmp_path / "release-manual-run-form.png"
+    with sync_playwright() as p:
+        # launch() gives the browser a fresh temporary profile (its own --user-data-dir)
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(f"{ui}/deployments/deployment/{dep['id']}/run", wait_until="networkidle", timeout=120_000)
+            # the config form: sections with the fields' descriptions from ReleaseConfig
+            page.get_by_text("Regenerating training data with the target.").wait_for(timeout=60_000)
+            label = page.locator("span.schema-form-property__label", has_text=re.compile(r"^Num Prompts"))
+            field = label.locator("xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), "
+                                  "' schema-form-property ')][1]").locator("input[type=number]")
+            assert field.input_value() == "24"
+            field.fill("16")
+            field.scroll_into_view_if_needed()
+            page.screenshot(path=str(shot))
+            page.get_by_role("button", name="Submit").click()
+            page.wait_for_url(re.compile(rf".*/deployments/deployment/{dep['id']}(\?.*)?$"), timeout=60_000)
+        finally:
+            browser.close()
+    print(f"\nscreenshot of the run form: {shot}")
+    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+             if r["parameters"].get("config", {}).get("name") == "tiny-ui"]
+    assert fr["parameters"]["config"]["generate"]["num_prompts"] == 16 and fr["parameters"]["stages"] == ["scrub"]
+    run_worker_once(env, tmp_path)
+    fr = httpx.get(api + f"/flow_runs/{fr['id']}", timeout=30).json()
+    assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+    (gen,) = (tmp_path / "store" / "generate").glob("*/manifest.json")
+    assert json.loads(gen.read_text())["config"]["generate"]["num_prompts"] == 16
