@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from drafter.core.config import ReleaseConfig, config_from_dict, load_config
+from drafter.core.config import ReleaseConfig, set_dotted, config_from_dict, load_config, parse_override
 from drafter.data.preflight import preflight
 from drafter.evaluation.report import release_report
 from drafter.core.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
@@ -23,11 +23,19 @@ from tasks import for_stage
 
 def resolve_config(config: ReleaseConfig | dict | None, config_path: str | None, profile: str | None,
                    overrides: list[str] | None) -> ReleaseConfig:
-    if config_path:
+    """The run's config: the `config` parameter (the form) when given — it wins over a deployment's
+    default `config_path` —, else the file at `config_path` with `profile`, else the defaults;
+    `overrides` (`section.field=value`) apply to either."""
+    if config is None and config_path:
         return load_config(config_path, profile=profile, overrides=overrides)
-    if isinstance(config, dict):
-        return config_from_dict(config, source="(flow parameter `config`)")
-    return config or ReleaseConfig()
+    if config is None:
+        config = ReleaseConfig()
+    if not overrides and isinstance(config, ReleaseConfig):
+        return config
+    data = config.model_dump() if isinstance(config, ReleaseConfig) else dict(config)  # python mode keeps secrets
+    for item in overrides or []:
+        set_dotted(data, *parse_override(item))
+    return config_from_dict(data, source="(flow parameter `config`)")
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:

@@ -285,3 +285,57 @@ def test_ui_run_form_in_a_real_browser_starts_a_run_the_worker_completes(server,
     assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
     (gen,) = (tmp_path / "store" / "generate").glob("*/manifest.json")
     assert json.loads(gen.read_text())["config"]["generate"]["num_prompts"] == 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_nightly_run_scheduled_now_retrains_on_new_traffic_only(server, tiny_target, tmp_path):
+    """Runs of retrain/nightly scheduled for now, picked up by the worker: with new traffic (5 new
+    conversations, one repeated) the release runs and the traffic is recorded as used; the same traffic
+    again ends "not enough new traffic" without starting anything; one more new conversation is still
+    below retrain.min_new_rows."""
+    from datetime import datetime, timezone
+
+    api, env = server["api"], server["env"]
+    nightly = deployments(api)["retrain/nightly"]
+    traffic = tmp_path / "traffic"
+    traffic.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}]} for i in range(5)]
+    (traffic / "day1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
+    cfg = {"name": "tiny-nightly", "store": {"root": str(tmp_path / "store")},
+           "prepare_target": {"source": "path", "path": str(tiny_target)},
+           "serving": {"backend": "transformers", "dtype": "float32"},
+           "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 8, "concurrency": 2},
+           "retrain": {"min_new_rows": 3}, "stages": ["scrub"], "retries": 0}
+
+    def run_scheduled_now() -> dict:
+        now = datetime.now(timezone.utc).isoformat()
+        r = httpx.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
+            "parameters": {"config": cfg, "traffic": [str(traffic / "*.jsonl")]},
+            "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
+        assert r.status_code == 201, r.text
+        run_worker_once(env, tmp_path)
+        fr = httpx.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
+        assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        (art,) = httpx.post(api + "/artifacts/filter", timeout=30, json={
+            "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
+        return art
+
+    def summaries() -> int:
+        return len(list((tmp_path / "store" / "runs").glob("*.json")))
+
+    art = run_scheduled_now()
+    assert "release completed" in art["data"] and "5 new conversation(s) in 6 read" in art["data"], art["data"]
+    assert "1 repeated" in art["data"] and summaries() == 1
+    (gen,) = (tmp_path / "store" / "generate").glob("*/manifest.json")
+    assert json.loads(gen.read_text())["metrics"]["rows"] == 24 + 5
+    assert len((tmp_path / "store" / "records" / "traffic-seen.txt").read_text().split()) == 5
+
+    art = run_scheduled_now()  # the same traffic: all of it used already
+    assert "not enough new traffic: 0 new conversation(s) in 6 read" in art["data"] and "6 used by earlier" in art["data"]
+    assert summaries() == 1, "a run without enough new traffic must not start the release"
+
+    (traffic / "day2.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "What is 7 times 7?"}]}) + "\n")
+    art = run_scheduled_now()
+    assert "not enough new traffic: 1 new conversation(s) in 7 read" in art["data"] and "min_new_rows = 3" in art["data"]
+    assert summaries() == 1

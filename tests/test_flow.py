@@ -148,3 +148,18 @@ def test_release_flow_against_prefect_server(toy, tmp_path):
         import signal
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_resolve_config_the_form_wins_over_a_default_path_and_overrides_apply_to_both(tmp_path):
+    from drafter.core.config import ReleaseConfig
+    from flows.release import resolve_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("name: from-file\n")
+    assert resolve_config(None, str(p), None, None).name == "from-file"
+    # a deployment's default config_path must not hide what the run form filled in
+    assert resolve_config({"name": "from-form"}, str(p), None, None).name == "from-form"
+    c = resolve_config(ReleaseConfig(name="x", serving={"env": {"K": "v"}}), None, None, ["generate.num_prompts=16"])
+    assert (c.name, c.generate.num_prompts, c.serving.env_values()) == ("x", 16, {"K": "v"})
+    assert resolve_config(None, str(p), None, ["generate.num_prompts=16"]).generate.num_prompts == 16
+    assert resolve_config(None, None, None, None) == ReleaseConfig()

@@ -530,6 +530,15 @@ class PublishConfig(Section):
         return self
 
 
+class RetrainConfig(Section):
+    """Scheduled retraining on fresh traffic (flows/retrain.py)."""
+
+    traffic: list[str] = Field(default_factory=list, description="Glob patterns of traffic files (JSONL/Parquet chat "
+                               "conversations, as `generate.user_files`); the flow's `traffic` parameter overrides them.")
+    min_new_rows: int = Field(100, ge=1, description="A retrain runs only with at least this many conversations never "
+                              "seen by an earlier retrain (deduplicated by content); else it ends at once, starting no server.")
+
+
 class ReleaseConfig(Section):
     name: str = Field("demo", description="Name of this release (used in the card and run summaries).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where stage outputs are kept.")
@@ -549,6 +558,7 @@ class ReleaseConfig(Section):
     ab_live: AbLiveConfig = Field(default_factory=AbLiveConfig, description="Live A/B in vLLM.")
     gate: GateConfig = Field(default_factory=GateConfig, description="The release gate.")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="Model card and Hub upload.")
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig, description="Scheduled retraining on fresh traffic.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
     retries: int = Operational(2, ge=0, description="Prefect task retries per stage.")
     retry_delay_s: float = Operational(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
@@ -564,7 +574,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+def set_dotted(d: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     cur = d
     for p in parts[:-1]:
@@ -658,5 +668,5 @@ def load_config(path: str | Path, profile: str | None = None, overrides: list[st
         data = _deep_merge(data, profiles[profile])
     for item in overrides or []:
         key, value = parse_override(item)
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     return config_from_dict(data, source=str(path) + (f" (profile {profile})" if profile else ""))

@@ -6,6 +6,7 @@ Layout (local path or any fsspec URL)::
     <root>/<stage>/.<key>.partial/   in-progress output; checkpoints live here; reused on retry
     <root>/<stage>/.<key>.lock       held while a process works on <key>
     <root>/runs/<run-id>.json        one summary per pipeline run (`drafter runs`)
+    <root>/records/<name>            store-level records (the retrain's ledger of traffic already seen)
 
 A finished output is published by writing ``manifest.json`` (every file with size + sha256) and
 renaming the partial directory into place, so a reader sees either nothing or a whole output.
@@ -255,6 +256,32 @@ class Store:
         self.fs.put_file(str(part / MANIFEST), self._remote(stage, key, MANIFEST))  # the commit point
 
     # ---- run summaries -----------------------------------------------------------------
+    def read_record(self, name: str) -> str | None:
+        """A store-level record (``<root>/records/<name>``, e.g. the retrain's traffic ledger), or None."""
+        if self.local:
+            p = self.root / "records" / name
+            return p.read_text() if p.is_file() else None
+        path = self._remote("records", name)
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "r") as f:
+            return f.read()
+
+    def write_record(self, name: str, text: str) -> str:
+        """Replace the record ``name`` (atomically on a local store); returns where it lives."""
+        if self.local:
+            d = self.root / "records"
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, d / name)
+            return str(d / name)
+        path = self._remote("records", name)
+        self.fs.makedirs(self._remote("records"), exist_ok=True)
+        with self.fs.open(path, "w") as f:
+            f.write(text)
+        return path
+
     def write_run(self, run_id: str, summary: dict) -> str:
         text = json.dumps(summary, indent=2, sort_keys=True, default=str)
         if self.local:
