@@ -318,3 +318,17 @@ def test_forced_release_warns_at_the_top(finished_store, tmp_path):
     assert "> [!WARNING]" in body and body.index("FORCED RELEASE") < body.index("## Summary")
     assert f"failed checks: {doc['checks'][0]['name']}" in body and "Verdict: **forced** (forced)" in body
     assert table(section(md, "## Release gate"))[0]["result"] == "FAIL"
+
+
+def test_a_forced_gate_without_live_evidence_renders_its_check(tmp_path):
+    """No vLLM (ab_live skipped): the forced gate's one check has no value or threshold — shown as "—"."""
+    from drafter.core.config import GateConfig
+    from drafter.evaluation.gate import gate_without_live
+    from drafter.release.card import _gate
+
+    d = tmp_path / "gate"
+    d.mkdir()
+    (d / "gate.json").write_text(json.dumps(gate_without_live("needs vLLM", GateConfig(force=True))))
+    g = _gate({"gate": Artifact("gate", "k", d, {"status": "done"})})
+    assert g["verdict"] == "forced" and g["forced"] and g["checks"][0]["passed"] == "FAIL"
+    assert g["checks"][0]["value"] == g["checks"][0]["threshold"] == "—"

@@ -65,7 +65,7 @@ def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
                       "bootstrap_drafter": "skipped", "train": "computed", "eval_offline": "computed",
                       # the tiny target's drafter is not FP8: no FP8 form; EXL3 needs CUDA; A/B needs vLLM
                       "quantize_fp8": "skipped", "verify_fp8": "skipped", "quantize_exl3": "skipped",
-                      "ab_live": "skipped", "gate": "computed"}
+                      "ab_live": "skipped", "gate": "computed", "publish": "computed"}
     gen, cap = s1["stages"][1]["metrics"], s1["stages"][3]["metrics"]
     assert gen["rows"] == 24 and gen["failed"] == 0 and gen["tokens_generated"] > 0
     assert cap["tokens"] > 0 and cap["sequences"] == 24
@@ -77,8 +77,13 @@ def test_release_twice_recomputes_nothing(tmp_path, tiny_target):
     assert ev["tau_t0_k1_candidate"] >= 1.0 and 1 <= ev["recommended_k_candidate"] <= 3
     assert "needs CUDA" in s1["stages"][9]["reason"] and "vLLM" in s1["stages"][10]["reason"]
     assert s1["stages"][11]["metrics"]["gate"] == "forced"
+    # the release folder of a dry run, its card saying what was not measured and why
+    assert s1["stages"][12]["metrics"]["status"] == "dry_run"
+    card = (Path(s1["stages"][12]["path"]) / "release" / "README.md").read_text()
+    assert "Release gate did not pass" in card or "forced" in card.lower()
+    assert "not measured: ab_live was skipped" in card and "quantize_exl3 was skipped (needs CUDA" in card
     s2 = run_all(cfg, echo=lambda *_: None)
-    assert [s["status"] for s in s2["stages"]] == ["reused"] * 12 and s2["computed"] == []
+    assert [s["status"] for s in s2["stages"]] == ["reused"] * 13 and s2["computed"] == []
 
 
 def test_path_target_changes_change_the_key(tmp_path, tiny_target):

@@ -346,8 +346,11 @@ def _gate(inputs) -> dict:
     g, why = read_json(inputs, "gate", "gate.json")
     if g is None:
         return {"ok": False, "reason": why, "forced": False}
-    checks = [{"name": c["name"], "passed": "pass" if c["passed"] else "FAIL", "value": f"{c['value']:.4g}",
-               "threshold": f"{c['threshold']:.4g}", "detail": redact_local(c.get("detail", ""))} for c in g["checks"]]
+    def num(v) -> str:  # a check without live evidence has no value or threshold
+        return "—" if v is None else f"{v:.4g}"
+
+    checks = [{"name": c["name"], "passed": "pass" if c["passed"] else "FAIL", "value": num(c.get("value")),
+               "threshold": num(c.get("threshold")), "detail": redact_local(c.get("detail", ""))} for c in g["checks"]]
     return {"ok": True, "verdict": g["verdict"], "forced": bool(g.get("forced")), "failed": g.get("failed", []),
             "checks": checks, "tolerances": g.get("tolerances", {}), "raw": g}
 
