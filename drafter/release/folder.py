@@ -27,6 +27,7 @@ from pathlib import Path
 
 from drafter.core.errors import StageError
 from drafter.core.stage import Artifact, canonical_json
+from drafter.core.store import sha256_file
 from drafter.release.card import card_context, redact_obj, render_card, stage_reason
 
 RELEASE_JSON = "release.json"
@@ -35,14 +36,6 @@ INDEX_NAME = "model.safetensors.index.json"
 ASSETS = {("eval_offline", "tau_vs_k.png"): "assets/tau_vs_k.png",
           ("eval_offline", "acceptance_per_position.png"): "assets/acceptance_per_position.png",
           ("train", "curves.png"): "assets/train_curves.png"}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def safetensors_summary(path: Path) -> tuple[int, str]:
