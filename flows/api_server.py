@@ -158,6 +158,18 @@ def _mark_crashed(signum: int) -> None:
 
 
 _HANDLER: list = []  # the handler exit_on_signals installed in this process, if any
+_AT_STOP: list = []  # what a signal that ends this process must still do (best effort), newest last
+
+
+@contextmanager
+def at_stop(fn) -> Iterator[None]:
+    """While the block runs, a signal that ends the process (:func:`exit_on_signals`) first calls ``fn()``
+    — e.g. to cancel the child flow run the release is waiting for (flows/containers.py)."""
+    _AT_STOP.append(fn)
+    try:
+        yield
+    finally:
+        _AT_STOP.remove(fn)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -180,6 +192,11 @@ def exit_on_signals(echo=_to_stderr) -> None:
             signal.signal(s, signal.SIG_IGN)
         echo(f"\nstopped by {signal.Signals(signum).name}: finished stage outputs are kept in the store; "
              "rerun the same command to resume")
+        for fn in reversed(_AT_STOP):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 — the process is ending anyway
+                pass
         _mark_crashed(signum)
         os._exit(128 + signum)
 

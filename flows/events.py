@@ -4,7 +4,10 @@ notifications through a webhook block):
 * ``drafter.release.failed`` — the run failed: payload ``stage``, ``error`` (one line), ``error_type``,
   ``run_id``;
 * ``drafter.release.gate-refused`` — the gate refused the candidate: payload ``failed`` (check names),
-  ``checks`` (each with its value, reference and threshold), ``report`` (the gate's markdown), ``run_id``.
+  ``checks`` (each with its value, reference and threshold), ``report`` (the gate's markdown), ``run_id``;
+* ``drafter.release.champion-kept`` — a retrain's candidate did not beat the last release (flows/retrain.py):
+  payload ``champion`` and ``candidate`` (offline τ, live τ, tok/s at 1 user; the champion's release id
+  and source), ``reasons``, ``k``, ``gate`` (verdict, failed checks), ``challenge_run``.
 
 Every event's resource is ``drafter.release.<release name>``. No secret is ever part of a payload:
 errors are already redacted where they are raised (URLs, values of secret fields).
@@ -21,6 +24,7 @@ from prefect.events import emit_event
 
 FAILED = "drafter.release.failed"
 GATE_REFUSED = "drafter.release.gate-refused"
+CHAMPION_KEPT = "drafter.release.champion-kept"
 
 
 def emit_release_event(kind: str, release_name: str, payload: dict[str, Any]) -> None:

@@ -15,7 +15,8 @@ from prefect.artifacts import create_markdown_artifact
 from drafter.core.config import ReleaseConfig, set_dotted, config_from_dict, load_config, parse_override
 from drafter.data.preflight import preflight
 from drafter.evaluation.report import release_report
-from drafter.core.pipeline import StageResult, format_table, new_run_id, open_store, plan, summarize
+from drafter.core.pipeline import PlannedStage, StageResult, format_table, new_run_id, open_store, plan, summarize
+from drafter.core.store import Store
 from flows.api_server import reinstall_signal_handlers
 from flows.events import failure_event
 from tasks import for_stage
@@ -50,6 +51,45 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _in_process(cfg: ReleaseConfig, planned: list[PlannedStage], store: Store) -> tuple[list[StageResult], tuple | None]:
+    """runner: local — each stage a task of this flow run, in this process; (results, (stage, error) or None)."""
+    present = {p.stage.name: store.find(p.stage.name, p.key) is not None for p in planned}
+    futures: dict[str, Any] = {}
+    for p in planned:
+        name = p.stage.name
+        task = for_stage(name, cfg).with_options(refresh_cache=not present[name])
+        # one stage at a time, in pipeline order: stages share the machine's cores, and eval_offline /
+        # ab_live measure speed, which a concurrently running stage would distort
+        futures[name] = task.submit(cfg, name, wait_for=list(futures.values()))
+    results: list[StageResult] = []
+    for p in planned:
+        try:
+            r = StageResult(**futures[p.stage.name].result())
+        except Exception as e:  # noqa: BLE001 — recorded in the summary, then re-raised
+            results.append(StageResult(p.stage.name, p.key, "failed", store.location(p.stage.name, p.key), reason=str(e)))
+            return results, (p.stage.name, e)
+        if present[p.stage.name]:
+            r.status = "reused"  # served from the Prefect cache / store: nothing was recomputed now
+        results.append(r)
+    return results, None
+
+
+def _in_containers(cfg: ReleaseConfig, planned: list[PlannedStage], store: Store) -> tuple[list[StageResult], tuple | None]:
+    """runner: containers — each stage to compute a flow run of its deployment (flows/containers.py), in order."""
+    from flows.containers import run_stage_in_container
+
+    results: list[StageResult] = []
+    for p in planned:
+        try:
+            r = run_stage_in_container(cfg, p, store)
+        except Exception as e:  # noqa: BLE001 — recorded in the summary, then re-raised
+            results.append(StageResult(p.stage.name, p.key, "failed", store.location(p.stage.name, p.key), reason=str(e)))
+            return results, (p.stage.name, e)
+        print(r.line())
+        results.append(r)
+    return results, None
+
+
 @flow(name="release", log_prints=True, validate_parameters=True)
 def release(config: ReleaseConfig | None = None, config_path: str | None = None, profile: str | None = None,
             overrides: list[str] | None = None, stages: list[str] | None = None) -> dict[str, Any]:
@@ -65,6 +105,10 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
         # everything that can be checked before the first stage starts (config across sections, prompt
         # files, the store root, serving): a bad input fails here in seconds, not after data generation
         preflight(cfg, stages)
+        if cfg.runner.kind == "containers":  # every stage's deployment exists on the server
+            from flows.containers import check_deployments
+
+            check_deployments(cfg, [p.stage.name for p in plan(cfg, stages)])
     except Exception as e:
         name = cfg.name if cfg is not None else getattr(config, "name", None) or "unknown"
         failure_event(name, None, "preflight" if cfg is not None else "config", e)
@@ -72,27 +116,9 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
     store = open_store(cfg)
     planned = plan(cfg, stages)
     run_id, started = new_run_id(), datetime.now(timezone.utc).isoformat()
-    present = {p.stage.name: store.find(p.stage.name, p.key) is not None for p in planned}
-    futures: dict[str, Any] = {}
-    for p in planned:
-        name = p.stage.name
-        task = for_stage(name, cfg).with_options(refresh_cache=not present[name])
-        # one stage at a time, in pipeline order: stages share the machine's cores, and eval_offline /
-        # ab_live measure speed, which a concurrently running stage would distort
-        futures[name] = task.submit(cfg, name, wait_for=list(futures.values()))
-    results: list[StageResult] = []
-    error = None
-    for p in planned:
-        try:
-            r = StageResult(**futures[p.stage.name].result())
-        except Exception as e:  # noqa: BLE001 — recorded in the summary, then re-raised
-            error = f"{p.stage.name}: {type(e).__name__}: {e}"
-            failed = (p.stage.name, e)
-            results.append(StageResult(p.stage.name, p.key, "failed", store.location(p.stage.name, p.key), reason=str(e)))
-            break
-        if present[p.stage.name]:
-            r.status = "reused"  # served from the Prefect cache / store: nothing was recomputed now
-        results.append(r)
+    run = _in_containers if cfg.runner.kind == "containers" else _in_process
+    results, failed = run(cfg, planned, store)
+    error = f"{failed[0]}: {type(failed[1]).__name__}: {failed[1]}" if failed else None
     summary = summarize(cfg, run_id, started, results, "failed" if error else "completed", error)
     summary["summary_path"] = store.write_run(run_id, summary)
     create_markdown_artifact(markdown=summary_markdown(summary) + "\n\n" + release_report(summary), key="release-summary",

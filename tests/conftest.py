@@ -36,6 +36,15 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_target(tmp_path_factory):
+    """Bigger than the tiny target, so that generate and capture take long enough to be killed."""
+    from tests.helpers.targets import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("small") / "model", num_layers=4, hidden_size=512,
+                            intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=128)
+
+
+@pytest.fixture(scope="session")
 def finished_store(tiny_target, tmp_path_factory):
     """A finished store: every stage up to ``gate`` run once per session on ``tiny_target`` with vLLM
     serving (ab_live has real numbers; quantize_fp8/verify_fp8 run on a stand-in FP8 release made from the
@@ -51,3 +60,18 @@ def finished_store(tiny_target, tmp_path_factory):
     except ServingError as e:
         pytest.fail(f"the serving env is required for the finished store (make test builds it): {e}")
     return build_finished_store(tiny_target, tmp_path_factory.mktemp("finished"))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real `prefect server start` for the session, with the work pools and every deployment of
+    deployments/prefect.yaml (tests/helpers/prefect_server.py); stopped by PID at the end."""
+    from tests.helpers.prefect_server import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect-server-home")) as s:
+        yield s
+
+
+def pytest_collection_modifyitems(config, items):
+    """The container tests run last: `make test` builds their images while the other tests run."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_containers.py"))

@@ -19,70 +19,11 @@ import pytest
 import yaml
 
 from drafter.core import procs
-from drafter.serving.server import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).parent / "prefect")
+from tests.helpers.prefect_server import PREFECT, ROOT, deployments, resolve_job_configuration, run_worker_once
+
 STAGE_FLOWS = ("prepare-target", "generate", "scrub", "capture", "bootstrap-drafter", "train", "eval-offline",
                "quantize-fp8", "verify-fp8", "ab-live", "gate", "publish")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A real Prefect server (its own PREFECT_HOME and SQLite database), the pools and the deployments."""
-    home = tmp_path_factory.mktemp("prefect-server-home")
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # the UI calls the API at these (not at --port): set them, or it calls 4200
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")
-    proc = procs.spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                       stdout=log, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(api + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
-            time.sleep(1)
-        client_env = {**env, "PREFECT_API_URL": api, "DRAFTER_HOME": str(ROOT), "PREFECT": PREFECT}
-        t0 = time.monotonic()
-        subprocess.run(["bash", str(ROOT / "deployments" / "work-pools.sh")], env=client_env, cwd=ROOT, check=True,
-                       capture_output=True, timeout=120)
-        pools_s = time.monotonic() - t0
-        t0 = time.monotonic()
-        dep = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
-                             env=client_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert dep.returncode == 0, dep.stdout[-3000:] + dep.stderr[-3000:]
-        print(f"\npools {pools_s:.1f} s, prefect deploy --all {time.monotonic() - t0:.1f} s")
-        yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": client_env, "home": home}
-    finally:
-        procs.stop(proc)
-        log.close()
-
-
-def run_worker_once(env: dict, cwd: Path) -> None:
-    """``prefect worker start --pool process --run-once`` (log in ``cwd/worker.log``): runs what is
-    scheduled now, then exits; stopped by PID (its process group) at the latest after 600 s."""
-    with open(cwd / "worker.log", "wb") as log:
-        worker = procs.spawn([PREFECT, "worker", "start", "--pool", "process", "--run-once"], env=env, cwd=cwd,
-                             stdout=log, stderr=subprocess.STDOUT)
-        try:
-            worker.wait(timeout=600)
-        finally:
-            procs.stop(worker)
-
-
-def deployments(api: str) -> dict[str, dict]:
-    flows = {f["id"]: f["name"] for f in httpx.post(api + "/flows/filter", json={}, timeout=30).json()}
-    return {f"{flows[d['flow_id']]}/{d['name']}": d
-            for d in httpx.post(api + "/deployments/filter", json={}, timeout=30).json()}
 
 
 @pytest.mark.slow
@@ -90,8 +31,16 @@ def test_deploy_all_registers_every_deployment_with_the_config_form_and_the_sche
     api = server["api"]
     deps = deployments(api)
     want = {"release/manual", "release/demo", "retrain/nightly", "stage-capture/gpu", "stage-train/gpu",
-            "stage-quantize-exl3/exl3"} | {f"stage-{s}/process" for s in STAGE_FLOWS}
+            "stage-quantize-exl3/exl3", "stage-train/docker-gpu", "stage-quantize-exl3/docker-gpu"} \
+        | {f"stage-{s}/process" for s in STAGE_FLOWS} | {f"stage-{s}/docker" for s in STAGE_FLOWS + ("quantize-exl3",)}
     assert set(deps) == want
+    # runner: containers — every stage's docker deployment in its image, run from the image's checkout (/app)
+    for s in STAGE_FLOWS + ("quantize-exl3",):
+        d = deps[f"stage-{s}/docker"]
+        serving = s in ("generate", "verify-fp8", "ab-live")
+        assert d["job_variables"]["image"] == ("drafter-release:serving" if serving else "drafter-release:project"), s
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}], s
+        assert d["work_pool_name"] == "docker"
     pools = {p["name"]: p for p in httpx.post(api + "/work_pools/filter", json={}, timeout=30).json()}
     assert {"process", "docker", "kubernetes"} <= set(pools)
     k8s = pools["kubernetes"]["base_job_template"]
@@ -339,3 +288,237 @@ def test_nightly_run_scheduled_now_retrains_on_new_traffic_only(server, tiny_tar
     art = run_scheduled_now()
     assert "not enough new traffic: 1 new conversation(s) in 7 read" in art["data"] and "min_new_rows = 3" in art["data"]
     assert summaries() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(server, tiny_target, tmp_path):
+    """retrain/nightly, publishing to a local Hub (tests/hub_server.py) through the worker:
+    1. no release yet: the first candidate (a 1-step fine-tune, ≈ the released drafter) is published;
+    2. new traffic, a real fine-tune from that champion: it beats it on the same held-out set → published
+       (a second commit), the card names the champion it beat;
+    3. new traffic, a candidate from the released drafter with 1 step (a regression): champion kept —
+       the Hub head does not move, the decision with both sets of numbers is in the store's record, the
+       artifact and a `drafter.release.champion-kept` event."""
+    from datetime import datetime, timezone
+
+    from huggingface_hub import HfApi
+
+    from tests.hub_server import HubState, hub_client_settings, running_hub
+
+    api = server["api"]
+    token = "hf_nightly_write"
+    env = {**server["env"], "HF_TOKEN": token, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+    nightly = deployments(api)["retrain/nightly"]
+    traffic = tmp_path / "traffic"
+    traffic.mkdir()
+    store = tmp_path / "store"
+
+    def day(n: int) -> None:
+        rows = [{"messages": [{"role": "user", "content": f"Day {n}: tell me about the number {i}."}]} for i in range(4)]
+        (traffic / f"day{n}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    with hub_client_settings(), running_hub(HubState(token=token, read_token=None)) as hub:
+        hub_api = HfApi(endpoint=hub.url, token=token)
+        cfg = {"name": "tiny-champion", "store": {"root": str(store)},
+               "prepare_target": {"source": "path", "path": str(tiny_target)},
+               "serving": {"backend": "transformers", "dtype": "float32"},
+               "generate": {"num_prompts": 32, "max_tokens": 48, "shard_size": 8, "concurrency": 2},
+               "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
+               "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 40, "lr": 0.01, "warmup_steps": 1,
+                         "eval_windows": 8, "eval_every": 40},
+               "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
+               "ab_live": {"num_speculative_tokens": 2},
+               # no vLLM in this test (transformers backend): without live evidence the offline comparison decides
+               "gate": {"force": True},
+               "publish": {"repo_id": "org/tiny-champion", "dry_run": False, "endpoint": hub.url, "tag": None,
+                           "retries": 1, "retry_backoff_s": 0.1},
+               "retrain": {"min_new_rows": 3}, "retries": 0}
+
+        def run_scheduled_now(overrides: list[str]) -> tuple[dict, dict]:
+            now = datetime.now(timezone.utc).isoformat()
+            r = httpx.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
+                "parameters": {"config": cfg, "traffic": [str(traffic / "*.jsonl")], "overrides": overrides},
+                "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
+            assert r.status_code == 201, r.text
+            run_worker_once(env, tmp_path)
+            fr = httpx.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
+            assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
+            (art,) = httpx.post(api + "/artifacts/filter", timeout=30, json={
+                "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
+            return fr, art
+
+        def commits() -> list[str]:
+            return [c.commit_id for c in hub_api.list_repo_commits("org/tiny-champion")] \
+                if hub.state.repos.get("org/tiny-champion") else []
+
+        def decisions() -> list[dict]:
+            p = store / "records" / "retrain-decisions.jsonl"
+            return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
+
+        t0 = time.monotonic()
+        day(1)
+        _, art = run_scheduled_now(["train.max_steps=1"])
+        assert "first release" in art["data"], art["data"]
+        first = commits()
+        assert len(first) == 2, first  # the repo's initial commit + the release
+        print(f"\nretrain 1 (first release): {time.monotonic() - t0:.0f} s")
+
+        t0 = time.monotonic()
+        day(2)
+        _, art = run_scheduled_now([])
+        (d2,) = decisions()
+        assert d2["decision"] == "champion replaced", d2
+        assert d2["candidate"]["tau_offline"] > d2["champion"]["tau_offline"], d2
+        assert "# Retrain tiny-champion: champion replaced" in art["data"]
+        second = commits()
+        assert len(second) == 3 and second[1:] == first, (second, first)
+        card = hub_api.hf_hub_download("org/tiny-champion", "README.md", revision=second[0],
+                                              cache_dir=str(tmp_path / "dl"))
+        assert f"champion {d2['champion']['release_id']}" in Path(card).read_text()
+        print(f"retrain 2 (champion replaced): {time.monotonic() - t0:.0f} s; offline τ "
+              f"{d2['champion']['tau_offline']:.3f} → {d2['candidate']['tau_offline']:.3f}")
+
+        t0 = time.monotonic()
+        day(3)
+        fr, art = run_scheduled_now(["retrain.start_from=released", "train.max_steps=1"])
+        d3 = decisions()[-1]
+        assert d3["decision"] == "champion kept" and d3["winner"] == "champion", d3
+        assert d3["candidate"]["tau_offline"] <= d3["champion"]["tau_offline"], d3
+        assert commits() == second, "a candidate that lost must not be published"
+        assert "# Retrain tiny-champion: champion kept" in art["data"]
+        assert f"| champion `{d3['champion']['release_id']}` |" in art["data"] and "| candidate |" in art["data"]
+        print(f"retrain 3 (champion kept): {time.monotonic() - t0:.0f} s; offline τ champion "
+              f"{d3['champion']['tau_offline']:.3f}, candidate {d3['candidate']['tau_offline']:.3f}")
+        events = httpx.post(api + "/events/filter", timeout=30, json={
+            "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
+        assert len(events) == 1, events
+        payload = events[0]["payload"]
+        assert payload["champion"]["release_id"] == d3["champion"]["release_id"]
+        assert payload["candidate"]["tau_offline"] == d3["candidate"]["tau_offline"] and payload["reasons"]
+        assert len(list((traffic).glob("*.jsonl"))) == 3
+        assert len((store / "records" / "traffic-seen.txt").read_text().split()) == 12
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_worker_killed_mid_stage_then_a_rerun_finishes_from_the_store(server, small_target, tmp_path):
+    """A process worker runs release/manual; in the middle of `generate` (shards already written in its
+    in-progress directory) the worker and the flow run it started are killed with SIGKILL, as when a
+    node dies. A new worker and a new run of the deployment: it finishes from the store — the target
+    reused, generate resumed from its shards, nothing partial left, the outputs under the planned keys."""
+    import signal
+
+    from drafter.core.config import ReleaseConfig
+    from drafter.core.pipeline import open_store, plan
+
+    api, env = server["api"], server["env"]
+    cfg = {"name": "killed-worker", "store": {"root": str(tmp_path / "store")},
+           "prepare_target": {"source": "path", "path": str(small_target)},
+           "serving": {"backend": "transformers", "dtype": "float32"},
+           "generate": {"num_prompts": 64, "max_tokens": 16, "shard_size": 4, "concurrency": 2}, "retries": 0}
+    params = json.dumps({"config": cfg, "stages": ["scrub"]})
+    planned = {p.stage.name: p.key for p in plan(ReleaseConfig.model_validate(cfg), ["scrub"])}
+    store = open_store(ReleaseConfig.model_validate(cfg))
+    partial = store.partial_dir("generate", planned["generate"])
+
+    def start_run() -> None:
+        run = subprocess.run([PREFECT, "deployment", "run", "release/manual", "--params", params],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+
+    start_run()
+    log = open(tmp_path / "worker-killed.log", "wb")
+    worker = procs.spawn([PREFECT, "worker", "start", "--pool", "process"], env=env, cwd=tmp_path, stdout=log,
+                         stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not list(partial.glob("shards/shard-*.jsonl")):
+            assert worker.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "worker-killed.log").read_text()[-4000:]
+            time.sleep(0.05)
+        tree = [worker.pid, *descendants(worker.pid)]
+        for pid in tree:  # the worker, the flow run it started (its own session) and what that started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.wait(30)
+    finally:
+        procs.stop(worker)
+        log.close()
+    time.sleep(1)
+    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                   for pid in tree[1:]), "a process of the killed worker is still running"
+    killed_shards = len(list(partial.glob("shards/shard-*.jsonl")))
+    assert killed_shards >= 1, (sorted(str(p) for p in (tmp_path / "store").rglob("*")),
+                                (tmp_path / "worker-killed.log").read_text()[-4000:])
+    assert not store.final_dir("generate", planned["generate"]).exists()
+    print(f"\nkilled mid-generate with {killed_shards} shard(s) written")
+
+    start_run()
+    t0 = time.monotonic()
+    run_worker_once(env, tmp_path)
+    print(f"rerun: {time.monotonic() - t0:.1f} s")
+    runs = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+            if r["parameters"].get("config", {}).get("name") == "killed-worker"]
+    assert sorted(r["state"]["type"] for r in runs) == ["COMPLETED", "RUNNING"], \
+        [(r["name"], r["state"]["type"]) for r in runs]  # the killed run never reported back
+    (summary_path,) = (tmp_path / "store" / "runs").glob("*.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "completed"
+    assert {s["stage"]: s["key"] for s in summary["stages"]} == planned
+    assert {s["stage"]: s["status"] for s in summary["stages"]} == {
+        "prepare_target": "reused", "generate": "computed", "scrub": "computed"}
+    gen = json.loads((store.final_dir("generate", planned["generate"]) / "manifest.json").read_text())
+    assert gen["resumed"] is True and gen["metrics"]["shards_reused"] >= 1
+    assert store.partials() == []
+    for stage, key in planned.items():  # exactly the planned outputs, nothing else
+        outs = [p.name for p in (tmp_path / "store" / stage).iterdir() if not p.name.endswith(".lock")]
+        assert outs == [key], (stage, outs)
+
+
+@pytest.mark.slow
+def test_the_kubernetes_pool_turns_a_gpu_run_into_the_job_its_worker_would_submit(server, tmp_path):
+    """Up to the cluster boundary (no Kubernetes here): `prefect deployment run stage-train/gpu
+    --job-variable gpus=2` on the real server, then the job configuration prefect-kubernetes' worker
+    resolves for that flow run (`resolve_for_flow_run`: the pool's base job template from
+    deployments/k8s-gpu-job-template.json + the deployment's and the run's job variables) — the Job
+    manifest it would submit, with the image, the GPU limit and Prefect's flow-run command."""
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    api, env = server["api"], server["env"]
+    run = subprocess.run([PREFECT, "deployment", "run", "stage-train/gpu", "--job-variable", "gpus=2"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+             if r["deployment_id"] == deployments(api)["stage-train/gpu"]["id"]]
+
+    cfg = resolve_job_configuration(api, fr["id"], "kubernetes", KubernetesWorkerJobConfiguration)
+    job = cfg.job_manifest
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert job["kind"] == "Job" and job["metadata"]["generateName"]
+    assert c["image"] == "drafter-release:train"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # the run's job variable over the deployment's 1
+    # the template runs Prefect's flow-run command whatever an image's entrypoint
+    assert c["command"] == ["env"] and c["args"][:3] == ["prefect", "flow-run", "execute"], (c["command"], c["args"])
+    envs = {e["name"]: e.get("value") for e in c["env"]}
+    assert envs["PREFECT__FLOW_RUN_ID"] == fr["id"] and envs["PREFECT_API_URL"]

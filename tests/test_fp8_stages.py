@@ -18,12 +18,10 @@ from drafter.stages.verify_fp8 import unsupported_reason
 from drafter.models.target import MTP_SHARD
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def _make(root, **dims):
     from tests.helpers.targets import make_tiny_target
 
-    root = tmp_path_factory.mktemp("fp8stage")
-    model = make_tiny_target(root / "pt" / "model", hidden_size=160, intermediate_size=192)
+    model = make_tiny_target(root / "pt" / "model", **dims)
     (root / "pt" / "target.json").write_text(json.dumps({"model_dir": "model", "source": "embedded", "name": "tiny"}))
     mtp = {k: v.float() for k, v in load_file(str(model / MTP_SHARD)).items()}
     (root / "boot").mkdir()
@@ -34,6 +32,20 @@ def tiny(tmp_path_factory):
     (root / "train").mkdir()
     save_file(trained, str(root / "train" / TRAINED_NAME))
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Dimensions that are not multiples of the 128×128 block (the amax is taken over padded blocks)."""
+    return _make(tmp_path_factory.mktemp("fp8stage"), hidden_size=160, intermediate_size=192)
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    """Every FP8 matrix a multiple of 128 in both dimensions, as in real releases: what vLLM's block-FP8
+    kernels accept (on a CPU with AMX the CPU kernel runs it; without, the engine says why not)."""
+    return _make(tmp_path_factory.mktemp("fp8aligned"), hidden_size=256, intermediate_size=256, num_heads=2,
+                 num_kv_heads=1, head_dim=128)
 
 
 def _inputs(root):
@@ -102,19 +114,22 @@ def test_unsupported_reason_reads_the_engine_log():
     r = unsupported_reason(log)
     assert r.startswith("Failed to find a kernel") and "AMX" in r
     assert unsupported_reason("ERROR ... KeyError: 'model.layers.2.eh_proj.weight_scale_inv'") is None
+    shape = ("(Worker pid=1) ERROR 12-01 [fp8_utils.py:1326] ValueError: Weight output_partition_size = 576 is not "
+             "divisible by weight quantization block_n = 128.\n")
+    assert unsupported_reason(shape) == "Weight output_partition_size = 576 is not divisible by weight quantization block_n = 128."
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("DRAFTER_SERVE_PYTHON"), reason="needs the serving env (DRAFTER_SERVE_PYTHON)")
-def test_vllm_loads_the_dropin_or_says_why_not(tiny, tmp_path):
+def test_vllm_loads_the_dropin_or_says_why_not(aligned, tmp_path):
     cfg = _cfg("float32", vllm=True)  # a float32 target, as the demo serves it: fp8 is served in bfloat16
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"dtype": "float32"})})
     q_out = tmp_path / "q"
     q_out.mkdir()
-    quantize_fp8.STAGE.run(cfg, _inputs(tiny), q_out)
+    quantize_fp8.STAGE.run(cfg, _inputs(aligned), q_out)
     v_out = tmp_path / "v"
     v_out.mkdir()
-    vm = verify_fp8.STAGE.run(cfg, {"prepare_target": _inputs(tiny)["prepare_target"],
+    vm = verify_fp8.STAGE.run(cfg, {"prepare_target": _inputs(aligned)["prepare_target"],
                                     "quantize_fp8": Artifact("quantize_fp8", "q", q_out)}, v_out)
     log = (v_out / "vllm.log").read_text()
     if vm["vllm_load"] != "ok":  # never a silent pass: the engine's own reason, found in its log

@@ -3,7 +3,7 @@
 * From a brand-new PREFECT_HOME with both cores busy, the CLI starts (the local Prefect API server
   creates its database then); a start-up limit that is too short fails with an error that says
   what to set, and leaves no server behind.
-* SIGKILL, SIGTERM and SIGINT during generate (served by vLLM), capture and train: every process
+* SIGKILL, SIGTERM and SIGINT during generate (served by vLLM), capture and train (SIGNAL_CASES): every process
   the run started (guards, vLLM and its engine, the Prefect API server) is gone, nothing partial is
   published, outputs finished before the signal are never modified, and the rerun finishes with
   the same bytes as a run that was never interrupted.
@@ -252,9 +252,15 @@ def _caught_mid_stage(stage: str, store: Path, watch: Watch) -> bool:
     return any(part.glob("work/ckpt/*"))  # train: a checkpoint written, steps still to go
 
 
+# every signal and every stage at least once: generate (vLLM and its engine processes, the largest process
+# tree) with SIGKILL and SIGTERM, capture with SIGINT, train with SIGKILL and SIGTERM. SIGTERM, SIGINT and
+# SIGHUP go through the same handler; what differs by stage is how it resumes, which each stage shows.
+SIGNAL_CASES = [("generate", signal.SIGKILL), ("generate", signal.SIGTERM), ("capture", signal.SIGINT),
+                ("train", signal.SIGKILL), ("train", signal.SIGTERM)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-@pytest.mark.parametrize("stage", ["generate", "capture", "train"])
+@pytest.mark.parametrize("stage,sig", SIGNAL_CASES, ids=[f"{st}-{sg.name}" for st, sg in SIGNAL_CASES])
 def test_signal_mid_stage_leaves_nothing_and_rerun_matches(lifecycle, tmp_path, stage, sig):
     ref = lifecycle["reference"]
     store = tmp_path / "store"
@@ -304,6 +310,8 @@ def test_signal_mid_stage_leaves_nothing_and_rerun_matches(lifecycle, tmp_path, 
     assert not list(store.glob("*/.*.partial"))  # nothing partial left
     manifest = json.loads(next((store / stage).glob("[!.]*/manifest.json")).read_text())
     assert manifest["resumed"] is True
+    if stage in ("generate", "capture"):  # the shards written before the signal were kept, not redone
+        assert manifest["metrics"]["shards_reused"] >= 1, manifest["metrics"]
     ran = order[: order.index(stage) + 1]
     ours, theirs = _results(store), {k: v for k, v in _results(ref).items() if k.split("/")[0] in ran}
     assert {k.split("/")[0] for k in ours} == set(ran) - {"bootstrap_drafter"}  # skipped here: a manifest only

@@ -1,34 +1,18 @@
 """End to end on a tiny target: prepare_target (path) → generate (transformers backend) → scrub →
-capture; a second run recomputes nothing; a process killed (SIGKILL) in the middle of generate or
-capture leaves no published output, and the rerun finishes with the same bytes as an
-uninterrupted run."""
+capture; a second run recomputes nothing; stage keys follow the target and the user files. (A run
+killed mid-stage and resumed: tests/test_lifecycle.py on vLLM, tests/test_deployments.py through a
+worker on the transformers backend.)"""
 from __future__ import annotations
 
-import fnmatch
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from drafter.core.config import load_config
-from drafter.core.pipeline import open_store, plan, run_all
+from drafter.core.pipeline import plan, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory):
-    """Bigger than the tiny target, so that generate and capture take long enough to be killed."""
-    from tests.helpers.targets import make_tiny_target
-
-    return make_tiny_target(tmp_path_factory.mktemp("small") / "model", num_layers=4, hidden_size=512,
-                            intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=128)
 
 
 def write_config(tmp_path: Path, tiny_target: Path, store: Path, **extra) -> Path:
@@ -96,62 +80,6 @@ def test_path_target_changes_change_the_key(tmp_path, tiny_target):
     (copy / "generation_config.json").write_text((copy / "generation_config.json").read_text() + "\n")
     k2 = {p.stage.name: p.key for p in plan(cfg)}
     assert all(k1[n] != k2[n] for n in k1)
-
-
-def _run_stage(cfg_path: Path, stage: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tasks", stage, "--config", str(cfg_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"stage finished before it could be killed:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail("stage made no progress to kill")
-
-
-@pytest.mark.parametrize("stage,pattern", [("generate", "shards/shard-*.jsonl"),
-                                            ("capture", "features/*/shard-*.safetensors")])
-def test_kill_mid_stage_then_rerun_gives_same_result(tmp_path, small_target, stage, pattern):
-    size = {"generate": {"num_prompts": 64, "max_tokens": 16, "shard_size": 4},
-            # small shards with every layer stored: capture takes seconds, long enough to be killed
-            "capture": {"shard_tokens": 128, "batch_tokens": 128, "layers": [0, 1, 2, 3, 4]}}
-    clean_cfg = write_config(tmp_path, small_target, tmp_path / "clean", **size)
-    t0 = time.monotonic()
-    clean = run_all(load_config(clean_cfg), echo=lambda *_: None)
-    print({s["stage"]: round(s["seconds"], 2) for s in clean["stages"]}, round(time.monotonic() - t0, 1))
-
-    cfg_path = write_config(tmp_path, small_target, tmp_path / "killed", **size)
-    cfg = load_config(cfg_path)
-    before = [p.stage.name for p in plan(cfg)]
-    run_all(cfg, only=before[: before.index(stage)], echo=lambda *_: None)  # the stages before it
-    key = next(p.key for p in plan(cfg) if p.stage.name == stage)
-    store = open_store(cfg)
-    partial = store.partial_dir(stage, key)
-
-    proc = _run_stage(cfg_path, stage)
-    _kill_when(proc, lambda: len(list(partial.glob(pattern))) >= 1)
-    assert proc.returncode == -signal.SIGKILL
-    assert partial.is_dir() and not store.final_dir(stage, key).exists()  # nothing published
-
-    proc = _run_stage(cfg_path, stage)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    assert not partial.exists() and store.partials() == []  # no partial stage directory left
-    m = json.loads((store.final_dir(stage, key) / "manifest.json").read_text())
-    assert m["resumed"] is True and m["metrics"]["shards_reused"] >= 1
-    killed, clean = manifest_files(tmp_path / "killed", stage), manifest_files(tmp_path / "clean", stage)
-    assert set(killed) == set(clean)
-    data = [f for f in clean if fnmatch.fnmatch(f, pattern)]  # timing reports (summary.json) may differ
-    assert data and {f: killed[f] for f in data} == {f: clean[f] for f in data}
 
 
 def test_user_file_contents_change_the_generate_key(tmp_path, tiny_target):

@@ -247,6 +247,16 @@ def _other_value(name: str, value):
         return {"HF_TOKEN": "another-value", "OTHER": "${SOMEWHERE}"}
     if name == "api_key_env":
         return "SOME_OTHER_KEY_VAR"
+    if name == "kind":  # runner.kind
+        return "containers" if value == "local" else "local"
+    if name == "deployment":  # runner.deployment
+        return "stage-{stage}/elsewhere"
+    if name == "deployments":
+        return {"train": "stage-train/docker-gpu"}
+    if name == "job_variables":
+        return {"volumes": ["/data:/data"]}
+    if name == "docker_gpus":
+        return None if value else "all"
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):

@@ -93,9 +93,11 @@ def test_docker_command_builds_gpu_volume_port_and_spec(tmp_path):
     # value from the docker client's environment
     assert cmd[cmd.index("HF_HUB_OFFLINE") - 1] == "-e" and not any("=1" in a for a in cmd if "HF_HUB" in a)
     image_at = cmd.index("vllm/vllm-openai:v0.32.0")
-    assert cmd[image_at - 2:image_at] == ["--entrypoint", "python3"]
-    assert cmd[image_at + 1:image_at + 3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    engine = cmd[image_at + 3:]
+    assert cmd[image_at - 2:image_at] == ["--entrypoint", "sh"]
+    # the image's serving python ($DRAFTER_SERVE_PYTHON in ours, python3 in vLLM's), arguments untouched
+    assert cmd[image_at + 1:image_at + 6] == ["-c", 'exec "${DRAFTER_SERVE_PYTHON:-python3}" "$@"', "vllm", "-m",
+                                              "vllm.entrypoints.openai.api_server"]
+    engine = cmd[image_at + 6:]
     assert engine[engine.index("--model") + 1] == "/model"
     assert engine[engine.index("--port") + 1] == "8000" and engine[engine.index("--host") + 1] == "0.0.0.0"
     assert engine[engine.index("--served-model-name") + 1] == "target"
@@ -107,6 +109,7 @@ def test_docker_command_builds_gpu_volume_port_and_spec(tmp_path):
     # CPU image: no GPU flags; no speculation: no --speculative-config; enforce_eager off: no flag
     cpu = docker_command(model, cfg.model_copy(update={"enforce_eager": False}), port=1, served_model_name="t", gpus=None)
     assert "--gpus" not in cpu and "--speculative-config" not in cpu and "--enforce-eager" not in cpu
+    assert "--ipc=host" in cpu and "--ipc=host" in cmd  # vLLM needs more /dev/shm than a container's default
 
 
 def test_subprocess_command_uses_api_server_module(tmp_path, fake_python):
@@ -212,3 +215,30 @@ def test_spec_decode_counters_parse_prometheus_text():
 # --------------------------------------------------------------------------- real vLLM (slow)
 # The embedded target served plain and with MTP speculation (greedy output identical, drafts accepted)
 # is tests/test_card_usage.py, which serves it with the command of the rendered model card.
+
+
+def test_a_failed_start_leads_with_the_root_cause_found_far_above_the_tail(tmp_path):
+    from drafter.serving.server import _log_tail
+
+    log = tmp_path / "vllm.log"
+    wrapper = "(EngineCore pid=7) ERROR 12-01 20:18:52 [core.py:1510]     super().__init__(\n" * 60
+    log.write_text(
+        "(APIServer pid=5) INFO 12-01 20:17:36 [api_server.py:1] starting\n"
+        "(Worker pid=9) ERROR 12-01 20:18:49 [multiproc_executor.py:953] Traceback (most recent call last):\n"
+        "(Worker pid=9) ERROR 12-01 20:18:49 [multiproc_executor.py:953] ValueError: Failed to find a kernel that "
+        "can implement the ScaledMM linear layer. Reasons: \n"
+        "(Worker pid=9) ERROR 12-01 20:18:49 [multiproc_executor.py:953] KernelA requires AMX tile support.\n"
+        "(Worker pid=9) ERROR 12-01 20:18:49 [multiproc_executor.py:953] KernelB requires AMX tile support.\n"
+        "(EngineCore pid=7) ERROR 12-01 20:18:52 [core.py:1510] Exception: WorkerProc initialization failed due to an "
+        "exception in a background process. See stack trace for root cause.\n"
+        + wrapper + "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    text = _log_tail(log, n=5)
+    lines = text.splitlines()
+    assert lines[0] == "errors in the log:"
+    assert lines[1] == ("  ValueError: Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: "
+                        "KernelA requires AMX tile support. KernelB requires AMX tile support.")
+    assert lines[2] == "last lines:" and len(lines) == 3 + 5  # the wrappers are not repeated as causes
+    assert lines[-1].startswith("RuntimeError: Engine core")
+    plain = tmp_path / "plain.log"
+    plain.write_text("one\ntwo\n")
+    assert _log_tail(plain) == "one\ntwo"

@@ -170,7 +170,8 @@ def test_unknown_stage(toy):
 
 
 def test_fsspec_store_roundtrip(toy, tmp_path):
-    """A remote (fsspec) store: outputs uploaded with the manifest last, reused from the remote."""
+    """A remote (fsspec) store: files uploaded to an upload directory, the manifest naming it last;
+    reused from the remote."""
     import fsspec
 
     toy.store.root = "memory://drafter-test-store"
@@ -179,7 +180,8 @@ def test_fsspec_store_roundtrip(toy, tmp_path):
     fs = fsspec.filesystem("memory")
     key_b = s1["stages"][-1]["key"]
     assert fs.exists(f"/drafter-test-store/b/{key_b}/manifest.json")
-    assert fs.exists(f"/drafter-test-store/b/{key_b}/shards/2.txt")
+    upload = json.loads(fs.cat_file(f"/drafter-test-store/b/{key_b}/manifest.json"))["upload"]
+    assert upload.startswith(f".{key_b}.uploads/") and fs.exists(f"/drafter-test-store/b/{upload}/shards/2.txt")
     # a second machine (empty local cache) reuses the remote outputs without recomputing
     toy.store.cache_dir = str(tmp_path / "cache2")
     s2 = pipeline.run_all(toy, only=["b"], echo=lambda *_: None)

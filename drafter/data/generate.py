@@ -315,6 +315,7 @@ class TransformersBackend:
             hf_logging.set_verbosity(verbosity)
             hf_logging.enable_progress_bar()
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
+        self._lock: asyncio.Lock | None = None  # created in the event loop that uses it
 
     def _generate(self, messages, sampling: Sampling, seed: int, template_kwargs: dict) -> TurnOutput:
         import torch
@@ -344,8 +345,14 @@ class TransformersBackend:
                           finish_reason=finish, completion_tokens=len(new))
 
     async def chat(self, messages, *, sampling, seed, template_kwargs):
+        # one request at a time (the seed is torch's global one), in a thread: the event loop stays free to
+        # write each shard as soon as its rows are done — run inline, every row would finish before the first
+        # shard is written, and a stage interrupted midway would have nothing to resume from
+        if self._lock is None:
+            self._lock = asyncio.Lock()
         try:
-            return self._generate(messages, sampling, seed, template_kwargs)
+            async with self._lock:
+                return await asyncio.to_thread(self._generate, messages, sampling, seed, template_kwargs)
         except RequestError:
             raise
         except (RuntimeError, ValueError) as e:

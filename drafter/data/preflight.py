@@ -318,6 +318,9 @@ def _check_serving(cfg: ReleaseConfig, todo: list[str]) -> None:
                           "ab_live (--stage eval_offline)")
     if not engine_stages:
         return
+    if cfg.runner.kind == "containers":  # the engine starts in the stage's container, with that environment
+        _check_container_env(cfg, engine_stages)
+        return
     _check_serving_secrets(cfg, engine_stages)
     if s.launcher == "subprocess":
         _check_serving_python(cfg)
@@ -339,6 +342,19 @@ def _check_serving_secrets(cfg: ReleaseConfig, engine_stages: list[str]) -> None
                 expand_env_refs(name, value)
     except ServingError as e:
         raise BadInputError(f"{e} ({', '.join(engine_stages)} would start or call the server)") from None
+
+
+def _check_container_env(cfg: ReleaseConfig, engine_stages: list[str]) -> None:
+    """runner: containers passes the config to each stage's flow run as a parameter, which the Prefect server
+    stores: ``serving.env`` may hold ``${VAR}`` references (resolved in the container) but no value."""
+    literal = [name for name, value in cfg.serving.env_values().items() if not re.search(r"\$\{\w+\}", value)]
+    if literal:
+        raise BadInputError(
+            f"runner: containers: serving.env {', '.join(f'serving.env.{n}' for n in sorted(literal))} "
+            f"hold{'s' if len(literal) == 1 else ''} a value; the config goes to each stage's flow run as a parameter, "
+            f"which the Prefect server stores, so write a reference to the container's environment instead "
+            f"(e.g. HF_TOKEN: '${{HF_TOKEN}}') and give the variable to the containers through the work pool or "
+            f"runner.job_variables env ({', '.join(engine_stages)} start the server)")
 
 
 def _check_serving_python(cfg: ReleaseConfig) -> None:

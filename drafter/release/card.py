@@ -126,6 +126,14 @@ def _stage_config(inputs: dict[str, Artifact], stage: str, section: str, cfg) ->
     return getattr(cfg, section).key_dump()
 
 
+def _baseline_name(cfg, inputs) -> str:
+    """``released``, or ``champion <release id>`` when the run compared with an earlier release (a retrain)."""
+    b = _stage_config(inputs, "eval_offline", "baseline", cfg)
+    if not b.get("weights"):
+        return "released"
+    return f"champion {b.get('release_id') or str(b.get('sha256'))[:16]}"
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -161,6 +169,7 @@ def _offline(cfg, inputs, k: int) -> dict:
     d, diff = ev["drafters"], ev.get("difference", {})
     k_max = ev["k_max"]
     out: dict[str, Any] = {"ok": True, "k": k, "k_max": k_max, "confidence": ev["confidence"],
+                           "baseline_name": _baseline_name(cfg, inputs),
                            "windows": ev.get("windows"), "positions": ev["positions"],
                            "conversations": ev["conversations"], "bootstrap_samples": ev["bootstrap_samples"],
                            "bootstrap_unit": ev.get("bootstrap_unit", "conversation"),
@@ -215,7 +224,7 @@ def _live(cfg, inputs, offline: dict) -> dict:
         drafter, method, c = key.split("/")
         s = summ[key]
         speedup = s["tok_s"] / none_tok[c] if none_tok.get(c) else None
-        rows.append({"drafter": {"none": "no speculation", "baseline": "released",
+        rows.append({"drafter": {"none": "no speculation", "baseline": _baseline_name(cfg, inputs),
                                  "candidate": "fine-tuned"}.get(drafter, drafter),
                      "method": "—" if method == "none" else method, "users": c[1:],
                      "tau": f3(s["tau"]), "tok_s": f2(s["tok_s"]), "speedup": f2(speedup),
@@ -363,7 +372,8 @@ def _summary(target, train, offline, k) -> dict:
             f"({train['frozen_params']:,} parameters, bytes identical to the release).")
     if offline["ok"] and offline["k_in_range"] and offline["served"]:
         s = offline["served"][0]
-        headline = (f"Offline held-out τ at K={k}, {s['rule']}: released {s['released']} → fine-tuned {s['finetuned']} "
+        headline = (f"Offline held-out τ at K={k}, {s['rule']}: {offline['baseline_name']} {s['released']} → "
+                    f"fine-tuned {s['finetuned']} "
                     f"(Δ {s['delta']}, {offline['confidence']:.0%} CI {s['delta_ci']}, bootstrap over "
                     f"{offline['bootstrap_unit']}s).")
     else:

@@ -48,6 +48,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONTAINER_MODEL_DIR = "/model"
 CONTAINER_PORT = 8000
+# the container command of launcher=docker: the image's serving python (ours sets DRAFTER_SERVE_PYTHON), else python3
+DOCKER_EXEC = 'exec "${DRAFTER_SERVE_PYTHON:-python3}" "$@"'
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
 
@@ -218,20 +220,23 @@ def docker_command(
 ) -> list[str]:
     """``docker run`` arguments for launcher=docker: the model dir mounted read-only at ``/model``.
 
-    The image needs ``python3`` with vLLM (``vllm/vllm-openai``, ``deployments/Dockerfile.serving``);
-    the server module is started explicitly. ``gpus=None`` runs without ``--gpus`` (CPU image).
+    The server module is started explicitly, with the image's ``$DRAFTER_SERVE_PYTHON`` (our
+    ``deployments/Dockerfile.serving``, where vLLM has its own environment) or else its ``python3``
+    (``vllm/vllm-openai``). ``gpus=None`` runs without ``--gpus`` (CPU image).
     """
     model_dir = Path(model_dir).resolve()
     cmd = ["docker", "run", "--rm", "--init"]
     if container_name:
         cmd += ["--name", container_name]
     if gpus:
-        cmd += ["--gpus", gpus, "--ipc=host"]
+        cmd += ["--gpus", gpus]
+    cmd += ["--ipc=host"]  # vLLM's processes share memory through /dev/shm: a container's default 64 MiB is too small
     cmd += ["-p", f"{serving.host}:{port}:{CONTAINER_PORT}", "-v", f"{model_dir}:{CONTAINER_MODEL_DIR}:ro"]
     for k in sorted(_server_env_overrides(serving)):
         cmd += ["-e", k]  # the value comes from the docker client's environment: never on the command line
-    # the entrypoint is set explicitly: images differ (`vllm serve` vs the api_server module), this works in both
-    cmd += ["--entrypoint", "python3", serving.docker_image, "-m", API_SERVER_MODULE]
+    # the entrypoint is set explicitly: images differ (`vllm serve` vs the api_server module, which python has
+    # vLLM); `sh -c 'exec … "$@"'` passes the engine's arguments through untouched
+    cmd += ["--entrypoint", "sh", serving.docker_image, "-c", DOCKER_EXEC, "vllm", "-m", API_SERVER_MODULE]
     cmd += vllm_args(CONTAINER_MODEL_DIR, serving, served_model_name=served_model_name, host="0.0.0.0",
                      port=CONTAINER_PORT, speculative_config=speculative_config)
     return cmd
@@ -260,11 +265,37 @@ def _health_ok(base_url: str, timeout: float = 2.0, headers: dict | None = None)
         return False
 
 
+# the "(Worker pid=…) ERROR 12-01 20:18:49 [file.py:953] " prefix of a vLLM log line
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)?")
+_EXCEPTION = re.compile(r"^(?:[\w.]+)?(?:Error|Exception): .+")
+# the engine's wrappers around the real error: not worth a line of their own
+_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed", "See stack trace for root cause")
+
+
+def _root_causes(lines: list[str], most: int = 6) -> list[str]:
+    """The distinct exception lines of a log, in order, minus the engine's wrappers; an exception line
+    ending in ':' (vLLM lists its reasons on the following lines) takes the next two lines along."""
+    bare = [_LOG_PREFIX.sub("", ln).strip() for ln in lines]
+    out: list[str] = []
+    for i, ln in enumerate(bare):
+        if not _EXCEPTION.match(ln) or any(w in ln for w in _WRAPPERS):
+            continue
+        if ln.endswith(":"):
+            ln = " ".join([ln, *[x for x in bare[i + 1:i + 3] if x]])
+        if ln not in out:
+            out.append(ln)
+    return out[:most]
+
+
 def _log_tail(path: Path | None, n: int = 40) -> str:
+    """The last ``n`` lines of a server log, led by the errors found anywhere in it (the root cause of a
+    failed start is often far above the tail, which holds only the engine's wrapper tracebacks)."""
     if path is None or not Path(path).is_file():
         return "(no log)"
     lines = Path(path).read_text(errors="replace").splitlines()
-    return "\n".join(lines[-n:])
+    causes = _root_causes(lines)
+    head = ["errors in the log:", *(f"  {c}" for c in causes), "last lines:"] if causes else []
+    return "\n".join(head + lines[-n:])
 
 
 def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str,
@@ -340,7 +371,7 @@ def serve(
     elif serving.launcher == "docker":
         container = f"drafter-vllm-{os.getpid()}-{port}"
         cmd = docker_command(model_dir, serving, port=port, served_model_name=name,
-                             speculative_config=speculative_config, container_name=container)
+                             speculative_config=speculative_config, container_name=container, gpus=serving.docker_gpus)
         version = serving.docker_image
         what = f"vLLM (docker {serving.docker_image})"
     else:  # pragma: no cover - pydantic restricts the values

@@ -43,7 +43,7 @@ from drafter.serving.served_model import drafter_model_dir
 from drafter.core.hardware import describe
 from drafter.serving.server import engine_version, serve, serving_python
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.train import released_weights
+from drafter.stages.train import baseline_weights
 from drafter.models.target import target_dir
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     candidate_file = inputs["train"].path / TRAINED_NAME
     if not candidate_file.is_file():
         raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
-    baseline_file = released_weights(inputs["bootstrap_drafter"])
+    baseline_file = baseline_weights(cfg, inputs)
 
     turns, notes = replay_turns(iter_rows(inputs["generate"].path / "shards"), c.num_turns)
     if max(c.concurrency) > len(turns):
@@ -150,7 +150,7 @@ STAGE = Stage(
     name="ab_live",
     version="1",
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
-    sections=("ab_live", "serving"),
+    sections=("ab_live", "serving", "baseline"),
     run=run,
     description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation",
 )

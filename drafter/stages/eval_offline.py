@@ -31,7 +31,7 @@ from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_a
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.train import released_weights
+from drafter.stages.train import baseline_weights
 from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
 
@@ -44,7 +44,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if not candidate.is_file():
         raise StageError(f"train output {inputs['train'].path} has no {TRAINED_NAME} (the fine-tuned drafter)")
     layout = layout_for(model_dir)
-    drafters = {"baseline": load_drafter(model_dir, layout, weights=released_weights(inputs["bootstrap_drafter"])),
+    drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)),
                 "candidate": load_drafter(model_dir, layout, weights=candidate)}
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
     windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=c.k_max + 2,
@@ -98,7 +98,7 @@ STAGE = Stage(
     name="eval_offline",
     version="1",
     inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
-    sections=("eval_offline",),
+    sections=("eval_offline", "baseline"),
     run=run,
     description="Offline acceptance (τ vs K, α per position, bootstrap CIs, per domain/mode) of the released "
                 "vs the fine-tuned drafter; recommended K",

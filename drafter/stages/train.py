@@ -1,7 +1,8 @@
 """`train` stage: fine-tune the released drafter for acceptance.
 
 Inputs: the target, the captured features, and the released drafter — the bootstrap's output on
-the demo, or (bootstrap skipped) the MTP layer shipped inside the target checkpoint.
+the demo, or (bootstrap skipped) the MTP layer shipped inside the target checkpoint; a retrain
+starts from its champion instead (``baseline.weights`` with ``baseline.init``).
 Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by default) on the
 ``finetune`` half of the train split (see :mod:`drafter.training.loop`), checkpointing inside the stage's
 in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
@@ -16,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
+from drafter.core.errors import BadInputError
+from drafter.core.store import sha256_file
 from drafter.models import TRAINED_NAME
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
@@ -25,6 +28,35 @@ from drafter.training.run import run_training, tau_metrics
 def released_weights(bootstrap: Artifact) -> Path | None:
     """The bootstrap's tensors when it ran; None = the release inside the target checkpoint."""
     return None if bootstrap.status == "skipped" else bootstrap.path / TRAINED_NAME
+
+
+def baseline_weights(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path | None:
+    """What the candidate is compared with: ``baseline.weights`` (a champion; its sha256 checked) when
+    set, else the released drafter (:func:`released_weights`)."""
+    b = cfg.baseline
+    if b.weights is None:
+        return released_weights(inputs["bootstrap_drafter"])
+    path = Path(b.weights).expanduser()
+    if not path.is_file():
+        raise BadInputError(f"baseline.weights {path} does not exist (the champion's drafter file)")
+    got = sha256_file(path)
+    if got != b.sha256:
+        raise BadInputError(f"baseline.weights {path}: sha256 {got} is not baseline.sha256 {b.sha256}; the file "
+                            "changed since the baseline was chosen")
+    return path
+
+
+def init_weights(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path | None:
+    """Where fine-tuning starts: the baseline when ``baseline.init`` (a retrain from its champion), else the released drafter."""
+    if cfg.baseline.weights is not None and cfg.baseline.init:
+        return baseline_weights(cfg, inputs)
+    return released_weights(inputs["bootstrap_drafter"])
+
+
+def baseline_label(cfg: ReleaseConfig) -> str:
+    """How reports name the baseline: ``released`` or ``champion <release id>``."""
+    b = cfg.baseline
+    return "released" if b.weights is None else f"champion {b.release_id or b.sha256[:16]}"
 
 
 def acceptance_table(rows: list[tuple[str, dict]]) -> str:
@@ -37,13 +69,14 @@ def acceptance_table(rows: list[tuple[str, dict]]) -> str:
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     model_dir = target_dir(inputs["prepare_target"])
-    weights = released_weights(inputs["bootstrap_drafter"])
+    weights = init_weights(cfg, inputs)
     c = cfg.train
     res = run_training(model_dir, inputs["capture"], c, out, weights=weights,
                        title=f"fine-tune: {c.loss}, K={c.k_steps}")
     metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
                "seconds": round(res["seconds"], 1), "loss": c.loss}
-    rows = [("released", res["baseline"])]
+    start = "released" if weights == released_weights(inputs["bootstrap_drafter"]) else baseline_label(cfg)
+    rows = [(start, res["baseline"])]
     for loss in cfg.ablation.losses:
         ab = run_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), out / "ablations" / loss,
                           weights=weights, title=f"ablation: {loss}, K={c.k_steps}")
@@ -58,7 +91,7 @@ STAGE = Stage(
     name="train",
     version="1",
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
-    sections=("train", "ablation"),
+    sections=("train", "ablation", "baseline"),
     run=run,
     description="Fine-tune the released drafter with acceptance-targeted (LK) losses, K-step unrolled",
 )

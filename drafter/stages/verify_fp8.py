@@ -30,8 +30,10 @@ from drafter.stages.quantize_fp8 import FP8_DIR, release_dir
 from drafter.models.target import target_dir
 
 # lines of a vLLM log that say the engine cannot run FP8 on this machine (as opposed to a bad checkpoint)
+# (the block-shape refusal: the engine's kernels need every partition a multiple of the block, as real releases are)
 UNSUPPORTED_PATTERNS = (r"Failed to find a kernel that can implement", r"requires AMX", r"not supported on (the )?CPU",
-                        r"FP8 .* not supported", r"does not support .*fp8")
+                        r"FP8 .* not supported", r"does not support .*fp8",
+                        r"is not divisible by weight quantization block")
 
 
 def unsupported_reason(log_text: str) -> str | None:

@@ -1,0 +1,228 @@
+"""Champion / challenger: a retrain publishes its candidate only if it beats the last release.
+
+The **champion** is the last release of this release name — read from the Hub (the branch head's
+``release.json`` and drafter file) when publishing is on, else from the store (the newest completed
+run whose ``publish`` stage finished: its release folder). Its drafter file is checked against the
+sha256 its ``release.json`` records and copied to the local cache under its release id.
+
+The **challenge** runs the usual stages with the champion as the baseline (``baseline.*``): both
+drafters are measured on the same held-out set (eval_offline) and the same replayed traffic
+(ab_live). The candidate wins only if
+
+* the gate's checks pass against the champion (:func:`drafter.evaluation.gate.gate_decision`; with
+  ``gate.force`` and no live A/B this check is waived, and the decision says so), and
+* its offline held-out τ (T=0, at the served K) exceeds the champion's by more than
+  ``retrain.min_tau_gain`` — never waived: a retrain never publishes a drafter that is not better.
+
+Example::
+
+    champ = find_champion(cfg, store)                 # None before the first release
+    cfg.baseline = baseline_for(champ, cfg.retrain)   # then run the stages up to ab_live
+    d = challenge(ab_live_json, eval_offline_json, cfg)
+    d["winner"], d["reasons"], d["champion"]["tau_offline"], d["candidate"]["tau_offline"]
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from drafter.core.config import BaselineConfig, ReleaseConfig, RetrainConfig
+from drafter.core.errors import StageError
+from drafter.core.store import Store, sha256_file
+from drafter.models.layouts import TRAINED_NAME
+from drafter.release.folder import RELEASE_JSON
+
+KEPT = "champion kept"
+REPLACED = "champion replaced"
+FIRST = "first release"
+
+
+@dataclass
+class Champion:
+    release_id: str
+    source: str  # where it was read: "hub ORG/NAME@<commit>" or "store run <run id>"
+    release: dict  # its release.json
+    weights: Path  # a local, sha256-checked copy of its drafter file
+    sha256: str
+
+
+def _drafter_entry(release: dict, where: str) -> dict:
+    for f in release.get("files") or []:
+        if f.get("path") == TRAINED_NAME:
+            return f
+    raise StageError(f"{where}: release.json lists no {TRAINED_NAME} (the drafter file); cannot use it as the champion")
+
+
+def _cached_copy(src: Path, sha256: str, release_id: str, cache_dir: Path, where: str) -> Path:
+    """``src`` copied to ``cache_dir/champions/<release id>/`` after checking its sha256 (a path that names
+    the content, so the stage keys that record it are stable)."""
+    got = sha256_file(src)
+    if got != sha256:
+        raise StageError(f"{where}: {TRAINED_NAME} has sha256 {got}, its release.json says {sha256}: the champion's "
+                         "files do not match its record")
+    dst = Path(cache_dir).expanduser() / "champions" / release_id / TRAINED_NAME
+    if not (dst.is_file() and sha256_file(dst) == sha256):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name("." + dst.name + ".tmp")
+        shutil.copyfile(src, tmp)
+        tmp.replace(dst)
+    return dst
+
+
+def champion_from_store(store: Store, name: str, cache_dir: str | Path,
+                        warn: Callable[[str], None] | None = None) -> Champion | None:
+    """The newest completed run of release ``name`` whose ``publish`` stage finished (its release folder); None if none."""
+    for run in reversed(store.runs(warn=warn)):
+        if run.get("release") != name or run.get("status") != "completed":
+            continue
+        pub = next((s for s in run.get("stages", []) if s.get("stage") == "publish"
+                    and s.get("status") in ("computed", "reused")), None)
+        if pub is None:
+            continue
+        art = store.find("publish", pub["key"])
+        where = f"store run {run['run_id']} (publish/{pub['key']})"
+        if art is None:
+            if warn:
+                warn(f"champion: {where} is no longer in the store; looking at earlier runs")
+            continue
+        folder = Path(art.path) / "release"
+        release = json.loads((folder / RELEASE_JSON).read_text())
+        entry = _drafter_entry(release, where)
+        w = _cached_copy(folder / TRAINED_NAME, entry["sha256"], release["release_id"], Path(cache_dir), where)
+        return Champion(release["release_id"], f"store run {run['run_id']}", release, w, entry["sha256"])
+    return None
+
+
+def champion_from_hub(cfg: ReleaseConfig, token: str, cache_dir: str | Path) -> Champion | None:
+    """The release at the head of ``publish.branch`` of ``publish.repo_id``; None when the repo, the branch or
+    its ``release.json`` does not exist yet. Hub errors: as the upload's (5xx retried by the flow, 4xx permanent)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    from drafter.release.hub import PublishError, _call, _Transient, endpoint_of
+
+    pc = cfg.publish
+    api = HfApi(endpoint=endpoint_of(pc), token=token)
+    repo = pc.repo_id
+    try:
+        try:
+            info = _call("reading the champion's branch head",
+                         lambda: api.repo_info(repo, revision=pc.branch), repo_id=repo, token=token)
+        except Exception as e:
+            if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError)) or \
+                    isinstance(e.__context__, (RepositoryNotFoundError, RevisionNotFoundError)) or "HTTP 404" in str(e):
+                return None
+            raise
+        sha = info.sha
+        dl_dir = Path(cache_dir).expanduser() / "champions" / "hub"
+
+        def download(name: str) -> Path | None:
+            try:
+                return Path(_call(f"downloading {name}", lambda: api.hf_hub_download(
+                    repo, name, revision=sha, cache_dir=str(dl_dir)), repo_id=repo, token=token))
+            except Exception as e:
+                if isinstance(e, EntryNotFoundError) or isinstance(e.__context__, EntryNotFoundError) \
+                        or "HTTP 404" in str(e):
+                    return None
+                raise
+
+        rel_path = download(RELEASE_JSON)
+        if rel_path is None:
+            return None
+        release = json.loads(rel_path.read_text())
+        where = f"hub {repo}@{sha[:12]}"
+        entry = _drafter_entry(release, where)
+        w = download(TRAINED_NAME)
+        if w is None:
+            raise StageError(f"{where}: release.json lists {TRAINED_NAME} but the repo has no such file")
+        w = _cached_copy(w, entry["sha256"], release["release_id"], Path(cache_dir), where)
+        return Champion(release["release_id"], f"hub {repo}@{sha}", release, w, entry["sha256"])
+    except _Transient as e:
+        raise PublishError(f"reading the champion from {repo}: {e} (retry later)") from None
+
+
+def find_champion(cfg: ReleaseConfig, store: Store, token: str | None = None,
+                  warn: Callable[[str], None] | None = None) -> Champion | None:
+    """The champion: from the Hub when publishing sends (``publish.dry_run`` false), else from the store."""
+    if not cfg.publish.dry_run:
+        from drafter.release.hub import read_token
+
+        return champion_from_hub(cfg, token or read_token(cfg.publish), cfg.store.cache_dir)
+    return champion_from_store(store, cfg.name, cfg.store.cache_dir, warn=warn)
+
+
+def baseline_for(champ: Champion, rc: RetrainConfig) -> BaselineConfig:
+    """The ``baseline`` section that makes a run compare with (and, by ``retrain.start_from``, start from) ``champ``."""
+    return BaselineConfig(weights=str(champ.weights), sha256=champ.sha256, release_id=champ.release_id,
+                          init=rc.start_from == "champion")
+
+
+def _offline_tau(ev: dict, who: str, k: int) -> float | None:
+    by_k = ((ev.get("drafters") or {}).get(who) or {}).get("t0", {}).get("tau_by_k") or []
+    return by_k[k - 1] if 1 <= k <= len(by_k) else None
+
+
+def _live(ab: dict | None, who: str) -> dict[str, Any]:
+    s = ((ab or {}).get("summary") or {}).get(f"{who}/greedy/c1") or {}
+    return {"tau_live": s.get("tau"), "tok_s_c1": s.get("tok_s")}
+
+
+def challenge(ab: dict | None, ev: dict, cfg: ReleaseConfig, champion_id: str | None = None,
+              no_live_reason: str | None = None) -> dict:
+    """The decision of a challenge (``ev``: the run's eval_offline.json, its baseline the champion; ``ab``:
+    its ab_live.json, None when ab_live was skipped for ``no_live_reason``).
+
+    Returns ``{"winner": "candidate"|"champion", "decision", "reasons", "k", "min_tau_gain",
+    "champion": {release_id, tau_offline, tau_live, tok_s_c1}, "candidate": {…}, "gate": {verdict, failed, checks}}``.
+    """
+    from drafter.evaluation.gate import gate_decision, gate_without_live
+
+    k = int(ab["num_speculative_tokens"]) if ab else cfg.ab_live.num_speculative_tokens
+    gcfg = cfg.gate.model_copy(update={"force": False})
+    if ab is not None:
+        g = gate_decision(ab, ev, gcfg)
+    else:
+        g = gate_without_live(no_live_reason or "ab_live did not run", gcfg)
+    reasons: list[str] = []
+    gate_ok = g["verdict"] == "pass"
+    if not gate_ok and ab is None and cfg.gate.force:
+        gate_ok = True
+        reasons.append(f"no live A/B ({no_live_reason}); gate.force waives the gate's live checks — the decision "
+                       "rests on the offline comparison alone")
+    elif not gate_ok:
+        reasons += [f"gate check {c['name']} failed: {c['detail']}" for c in g["checks"] if not c["passed"]]
+    champ_tau, cand_tau = _offline_tau(ev, "baseline", k), _offline_tau(ev, "candidate", k)
+    gain = cfg.retrain.min_tau_gain
+    if champ_tau is None or cand_tau is None:
+        tau_ok = False
+        reasons.append(f"no offline τ at K={k} (eval_offline.k_max too small?)")
+    else:
+        tau_ok = cand_tau > champ_tau + gain
+        rel = ">" if tau_ok else "≤"
+        reasons.append(f"offline held-out τ (T=0, K={k}): candidate {cand_tau:.4f} {rel} champion {champ_tau:.4f}"
+                       + (f" + min_tau_gain {gain}" if gain else ""))
+    winner = "candidate" if gate_ok and tau_ok else "champion"
+    return {
+        "winner": winner, "decision": REPLACED if winner == "candidate" else KEPT, "reasons": reasons,
+        "k": k, "min_tau_gain": gain,
+        "champion": {"release_id": champion_id, "tau_offline": champ_tau, **_live(ab, "baseline")},
+        "candidate": {"tau_offline": cand_tau, **_live(ab, "candidate")},
+        "gate": {"verdict": g["verdict"], "failed": g["failed"], "checks": g["checks"]},
+    }
+
+
+def decision_markdown(name: str, d: dict, counts: str) -> str:
+    """The ``retrain-decision`` artifact of a challenge: the verdict, why, and both sets of numbers."""
+    def f(v, nd=3):
+        return "—" if v is None else f"{v:.{nd}f}"
+
+    c, n = d["champion"], d["candidate"]
+    lines = [f"# Retrain {name}: {d['decision']}", "", counts, "",
+             "| drafter | offline τ (T=0, K=%d) | live τ | tok/s at 1 user |" % d["k"], "|---|---|---|---|",
+             f"| champion `{c['release_id']}` | {f(c['tau_offline'], 4)} | {f(c['tau_live'])} | {f(c['tok_s_c1'], 2)} |",
+             f"| candidate | {f(n['tau_offline'], 4)} | {f(n['tau_live'])} | {f(n['tok_s_c1'], 2)} |", "",
+             "Why:", ""] + [f"- {r}" for r in d["reasons"]]
+    return "\n".join(lines) + "\n"
