@@ -31,6 +31,7 @@ class Window:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
     hidden: torch.Tensor  # [T, H] float32: the target's LM-head input
+    features: torch.Tensor | None = None  # [T, n·H]: captured layers concatenated (``feature_layers``), or None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -43,15 +44,24 @@ def row_part(row_id: str) -> str:
 
 
 def load_windows(capture, split: str, part: str = "all", window: int = 256, min_tokens: int = 8,
-                 max_windows: int | None = None) -> list[Window]:
+                 max_windows: int | None = None, feature_layers: list[int] | tuple[int, ...] = ()) -> list[Window]:
     """Cut the captured conversations of ``split`` (and ``part`` of it) into windows of at most
-    ``window`` tokens; windows shorter than ``min_tokens`` are dropped (too short for K steps)."""
+    ``window`` tokens; windows shorter than ``min_tokens`` are dropped (too short for K steps).
+    ``feature_layers``: captured ``hidden_layer_{i}`` tensors to concatenate into ``Window.features``
+    (a DSpark draft's context; :func:`drafter.models.dspark.capture_layers`)."""
+    from drafter.data.capture import layer_tensor_name
+
     if part not in ("bootstrap", "finetune", "all"):
         raise ValueError(f"part must be bootstrap, finetune or all; got {part!r}")
+    extra = [layer_tensor_name(i) for i in feature_layers]
     out: list[Window] = []
-    for shard in iter_feature_shards(capture, split, names=["hidden_final"]):
+    for shard in iter_feature_shards(capture, split, names=["hidden_final", *extra]):
         if "hidden_final" not in shard.tensors:
             raise StageError(f"{shard.path}: no hidden_final tensor (capture must store the LM-head input)")
+        lacking = [n for n in extra if n not in shard.tensors]
+        if lacking:
+            raise StageError(f"{shard.path}: no {', '.join(lacking)} tensor(s): capture.layers must include "
+                             f"{list(feature_layers)} (it stored {shard.meta.get('layers', '[]')})")
         ids = shard.row_ids
         for k in range(shard.num_sequences):
             rid = ids[k]
@@ -63,8 +73,9 @@ def load_windows(capture, split: str, part: str = "all", window: int = 256, min_
                 b = min(a + window, n)
                 if b - a < min_tokens:
                     continue
+                feats = torch.cat([seq[n][a:b].float() for n in extra], dim=-1) if extra else None
                 out.append(Window(rid, a, seq["input_ids"][a:b].long(), seq["loss_mask"][a:b].bool(),
-                                  seq["hidden_final"][a:b].float()))
+                                  seq["hidden_final"][a:b].float(), feats))
                 if max_windows is not None and len(out) >= max_windows:
                     return out
     if not out:

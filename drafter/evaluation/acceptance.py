@@ -12,6 +12,9 @@ the captured LM-head input at t+k. Three acceptance rules:
 in the window and are assistant tokens. ``alpha[k]`` is the mean α_k over those positions
 (unconditional); ``accept_rate[k]`` = E[Π_{j≤k} α_j] / E[Π_{j<k} α_j] (conditional on reaching k).
 
+DSpark block drafts (:func:`block_acceptance`): the same rules and τ, block position j of an anchor
+standing for draft position j+1 (all positions of a block come from one pass of the draft).
+
 Example::
 
     stats = acceptance(drafter, head_weight, windows, k_steps=4)
@@ -94,3 +97,66 @@ def acceptance(drafter, head_weight: torch.Tensor, windows: Iterable[Window], k_
     for r in RULES:
         out[r] = summarize(torch.cat(acc[r]) if acc[r] else torch.zeros(0, k_steps))
     return out
+
+
+def _head(head_weight: torch.Tensor):
+    w = head_weight.detach()
+    return lambda h: h @ w.to(h.dtype).T
+
+
+def block_forward(draft, embed: torch.nn.Module, head_weight: torch.Tensor, win: Window,
+                  anchors: torch.Tensor, anchor_mask: torch.Tensor | None = None):
+    """The draft's blocks at ``anchors`` [M] of one window, and the target's logits [M, K, V] at
+    the positions each block predicts (``anchor + j``, clamped inside the window)."""
+    if win.features is None:
+        raise ValueError(f"window {win.row_id}@{win.start} has no features: load_windows(feature_layers=…) "
+                         "must read the draft's target layers")
+    K = draft.cfg.block_size
+    T = len(win.input_ids)
+    mask = None if anchor_mask is None else anchor_mask[None]
+    out = draft(win.input_ids[None], win.features[None], anchors[None], embed=embed, lm_head=_head(head_weight),
+                anchor_mask=mask, label_mask=win.loss_mask[None], start=win.start)
+    rows = (anchors[:, None] + torch.arange(K)).clamp(max=T - 1)
+    with torch.no_grad():
+        p_logits = target_logits(win.hidden[rows.flatten()], head_weight).view(*rows.shape, -1)
+    return out, p_logits
+
+
+
+@torch.no_grad()
+def block_acceptance(draft, embed, head_weight: torch.Tensor, windows: Iterable[Window], chunk: int = 64) -> dict[str, dict]:
+    """Acceptance of a DSpark block draft (:mod:`drafter.models.dspark`) under the three rules, over
+    every anchor ``p ≥ 1`` of ``windows`` whose ``K`` predicted tokens exist and are assistant
+    tokens. Block position ``j`` (the ``j+1``-th draft) is compared with the target at ``p+j``; the
+    Markov head is teacher-forced, which at T=0 is what serving computes for every position it
+    reaches (earlier drafts accepted = equal to the data). τ per block = 1 + Σ_k Π_{j≤k} α_j.
+    ``confidence`` (with a confidence head): σ of the head per position and the T=0 outcome, for
+    :func:`drafter.evaluation.calibration.reliability`."""
+    was_training = draft.training
+    draft.eval()
+    K = draft.cfg.block_size
+    acc = {r: [] for r in RULES}
+    conf, outcome = [], []
+    for w in windows:
+        T = len(w.input_ids)
+        lm = w.loss_mask.bool()
+        cand = [p for p in range(1, T - K) if bool(lm[p + 1:p + 1 + K].all())]
+        for i in range(0, len(cand), chunk):
+            anchors = torch.tensor(cand[i:i + chunk])
+            out, p_logits = block_forward(draft, embed, head_weight, w, anchors)
+            p = F.softmax(p_logits.float(), -1)
+            per = {r: [] for r in RULES}
+            for j in range(K):
+                a = rule_alphas(p[:, j], out.logits[0, :, j])
+                for r in RULES:
+                    per[r].append(a[r])
+            for r in RULES:
+                acc[r].append(torch.stack(per[r], 1))
+            if out.confidence_logits is not None:
+                conf.append(torch.sigmoid(out.confidence_logits[0].float()))
+                outcome.append(torch.stack(per["t0"], 1))
+    draft.train(was_training)
+    res = {r: summarize(torch.cat(acc[r]) if acc[r] else torch.zeros(0, K)) for r in RULES}
+    if conf:
+        res["confidence"] = {"confidence": torch.cat(conf), "accepted": torch.cat(outcome)}
+    return res

@@ -1,5 +1,5 @@
-"""Drafter models: DeepSeek-style MTP layers (:mod:`drafter.models.mtp`) and release layouts
-(:mod:`drafter.models.layouts`).
+"""Drafter models: DeepSeek-style MTP layers (:mod:`drafter.models.mtp`), release layouts
+(:mod:`drafter.models.layouts`) and DSpark block drafters (:mod:`drafter.models.dspark`).
 
 Example::
 

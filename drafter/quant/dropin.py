@@ -164,7 +164,11 @@ def build_dropin(release: FP8Release, trained: Path, out_dir: Path, *,
         st = start(k)
         untouched = st is not None and st.shape == w.shape and torch.equal(st.float().view(torch.int32), w.view(torch.int32))
         if k in release.other_scales or inf.dtype not in FLOAT_DTYPES + ("F8_E4M3",):
-            if not untouched and st is not None:
+            if st is None:  # packed (MXFP4 experts, …): no float to compare with, so a change would be lost
+                raise StageError(f"{trained}: tensor {k} is in the trained weights but the release stores it as "
+                                 f"{inf.dtype}, a packed format this quantizer neither reads nor writes: leave it out "
+                                 "of the trained weights (freeze it; the release's bytes are kept)")
+            if not untouched:
                 raise StageError(f"{trained}: tensor {k} changed in training but the release stores it as {inf.dtype}, "
                                  "a format this quantizer does not write (freeze it, or leave it out of the trained weights)")
             report[k] = entry | {"action": "kept (format not written here)", "fp8_rel_error": None, "moved_rel": moved}

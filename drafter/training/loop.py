@@ -59,16 +59,8 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
             continue
         q = drafter.logits(k - 1, un.hidden[k - 1][0, sel])
         tokens = win.input_ids[k + 1 + sel]
-        if cfg.loss == "ce":
-            loss_k, st = L.ce(q, tokens)
-        else:
-            p = target[row_of[sel + k]]  # the target at position t+k
-            if cfg.loss == "ce_l1":
-                loss_k, st = L.ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
-            elif cfg.loss == "lk_hybrid":
-                loss_k, st = L.lk_hybrid(q, p, eta=cfg.eta)
-            else:
-                loss_k, st = L.LOSSES[cfg.loss](q, p)
+        p = None if target is None else target[row_of[sel + k]]  # the target at position t+k
+        loss_k, st = L.position_loss(cfg, q, p, tokens)
         w = float(weights[k - 1])
         total = total + w * loss_k
         wsum += w

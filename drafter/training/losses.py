@@ -110,4 +110,16 @@ def position_weights(k: int, gamma: float = 4.0) -> Tensor:
     return torch.tensor([math.exp(-i / gamma) for i in range(k)], dtype=torch.float32)
 
 
+def position_loss(cfg, q: Tensor, p: Tensor | None, tokens: Tensor):
+    """The loss ``cfg.loss`` (a TrainConfig: loss, η, ce_w, l1_w) of one draft position's logits ``q``
+    against the target's logits ``p`` (None for ``ce``) and the data tokens."""
+    if cfg.loss == "ce":
+        return ce(q, tokens)
+    if cfg.loss == "ce_l1":
+        return ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
+    if cfg.loss == "lk_hybrid":
+        return lk_hybrid(q, p, eta=cfg.eta)
+    return LOSSES[cfg.loss](q, p)
+
+
 LOSSES = {"kl": kl, "tv": tv, "lk_alpha": lk_alpha, "lk_hybrid": lk_hybrid, "ce": ce, "ce_l1": ce_l1}

@@ -2,6 +2,8 @@
 
 * :func:`make_v3_release` — DeepSeek-V3 layout: MTP layer ``model.layers.{L}.*``, FP8 E4M3 in 128×128
   blocks with float32 ``<name>_scale_inv``, BF16 norms/head/embedding, F32 router bias, two shards + index;
+* :func:`make_v41_dspark_release` — DeepSeek-V4.1 with a DSpark drafter: V4.1 attention names, ``main_proj``,
+  the Markov and confidence heads, the V4 formats;
 * :func:`make_v4_release` — DeepSeek-V4 layout: ``mtp.0..2.*``, FP8 32×32 with UE8M0 ``<module>.scale``
   (``float8_e8m0fnu``), MXFP4-packed routed experts (``U8`` nibbles + e8m0 ``.scale`` per 32 values),
   F32 hyper-connection parameters, BF16 norms;
@@ -82,6 +84,28 @@ def _plant_edges(w: np.ndarray) -> None:
     blk[3, 3] = 2.0 ** -9 * 2.0 ** -10  # an E4M3 subnormal
 
 
+def _store_v4(out: dict, floats: dict[str, np.ndarray], *, fp8_parts, f32_parts) -> None:
+    """V4 formats: 2-D weights named by ``fp8_parts`` as FP8 32×32 UE8M0 (+ ``.scale``), names with
+    ``f32_parts`` as F32, the rest BF16."""
+    for name, w in floats.items():
+        if w.ndim == 2 and any(s in name for s in fp8_parts):
+            out.update(_fp8_tensors(name, w, (32, 32), "ue8m0", v4=True))
+        elif any(s in name for s in f32_parts):
+            out[name] = torch.from_numpy(w)
+        else:
+            out[name] = torch.from_numpy(w).to(torch.bfloat16)
+
+
+def _mxfp4_experts(out: dict, rng, prefix: str, experts: int, inter: int, H: int) -> None:
+    """Routed experts in MXFP4: two E2M1 nibbles per byte, one e8m0 scale per 32 values."""
+    for e in range(experts):
+        for wn, (r, c) in (("w1", (inter, H)), ("w3", (inter, H)), ("w2", (H, inter))):
+            k = prefix + f"ffn.experts.{e}.{wn}"
+            out[k + ".weight"] = torch.from_numpy(rng.integers(0, 256, (r, c // 2), dtype=np.uint8))
+            out[k + ".scale"] = torch.from_numpy(rng.integers(118, 128, (r, -(-c // 32)), dtype=np.uint8)).view(
+                torch.float8_e8m0fnu)
+
+
 def make_v4_release(out_dir: Path, *, seed: int = 0, hidden: int = 128, inter: int = 80, experts: int = 2,
                     n_mtp: int = 3) -> tuple[Path, dict[str, np.ndarray]]:
     """A tiny DeepSeek-V4-layout checkpoint (``mtp.0..n-1``; FP8 32×32 UE8M0; MXFP4 routed experts)."""
@@ -106,24 +130,62 @@ def make_v4_release(out_dir: Path, *, seed: int = 0, hidden: int = 128, inter: i
         if i == 0:
             _plant_edges(fl[p + "attn.wq.weight"])
         floats |= fl
-        for name, w in fl.items():
-            if w.ndim == 2 and any(s in name for s in (".attn.w", "_proj.", ".shared_experts.")):
-                mtp.update(_fp8_tensors(name, w, (32, 32), "ue8m0", v4=True))
-            elif "hc_" in name or name.endswith(".bias"):
-                mtp[name] = torch.from_numpy(w)
-            else:
-                mtp[name] = torch.from_numpy(w).to(torch.bfloat16)
-        for e in range(experts):  # MXFP4: two E2M1 nibbles per byte, one e8m0 scale per 32 values
-            for wn, (r, c) in (("w1", (inter, H)), ("w3", (inter, H)), ("w2", (H, inter))):
-                k = p + f"ffn.experts.{e}.{wn}"
-                mtp[k + ".weight"] = torch.from_numpy(rng.integers(0, 256, (r, c // 2), dtype=np.uint8))
-                mtp[k + ".scale"] = torch.from_numpy(rng.integers(118, 128, (r, -(-c // 32)), dtype=np.uint8)).view(
-                    torch.float8_e8m0fnu)
+        _store_v4(mtp, fl, fp8_parts=(".attn.w", "_proj.", ".shared_experts."), f32_parts=("hc_", ".bias"))
+        _mxfp4_experts(mtp, rng, p, experts, inter, H)
     for name, w in floats.items():
         if not name.startswith("mtp."):
             base[name] = torch.from_numpy(w).to(torch.bfloat16)
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "dim": H, "num_hidden_layers": 1,
               "num_nextn_predict_layers": n_mtp, "vocab_size": V, "hc_mult": HC,
+              "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}}
+    _write(Path(out_dir), config, shards)
+    return Path(out_dir), floats
+
+
+def make_v41_dspark_release(out_dir: Path, *, seed: int = 0, hidden: int = 128, inter: int = 64, experts: int = 2,
+                            stages: int = 3, q_lora: int = 64, kv: int = 64, heads: int = 2, head_dim: int = 64,
+                            o_lora: int = 64, rank: int = 32) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny DeepSeek-V4.1 checkpoint with a DSpark drafter under ``mtp.0..stages-1``
+    (:mod:`drafter.models.dspark_v41`): FP8 32×32 UE8M0 attention, shared experts and ``main_proj``;
+    MXFP4 routed experts; F32 router bias, attention sinks, hyper-connections and confidence head;
+    BF16 norms and Markov head. Returns ``(dir, floats)``."""
+    rng = np.random.default_rng(seed)
+    H, V, HC = hidden, 256, 4
+    f32 = lambda *s: (rng.standard_normal(s) * s[-1] ** -0.5).astype(np.float32)  # noqa: E731
+    floats: dict[str, np.ndarray] = {"embed.weight": f32(V, H), "norm.weight": 1 + 0.1 * f32(H), "head.weight": f32(V, H),
+                                     "layers.0.attn.wo_a.weight": f32(o_lora, heads * head_dim)}
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    base, mtp = shards.values()
+    fp8_parts = (".attn.wq_a.", ".attn.wkv.", ".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".shared_experts.", ".main_proj.")
+    f32_parts = ("hc_", ".gate.bias", "attn_sink", "confidence_head.")
+    for i in range(stages):
+        p = f"mtp.{i}."
+        fl = {p + "attn.wq_a.weight": f32(q_lora, H), p + "attn.wkv.weight": f32(kv, H),
+              p + "attn.wq_b.weight": f32(heads * head_dim, q_lora), p + "attn.wo_a.weight": f32(o_lora, heads * head_dim),
+              p + "attn.wo_b.weight": f32(H, o_lora), p + "attn.q_norm.weight": 1 + 0.1 * f32(q_lora),
+              p + "attn.kv_norm.weight": 1 + 0.1 * f32(kv), p + "attn.attn_sink": f32(heads),
+              p + "attn_norm.weight": 1 + 0.1 * f32(H), p + "ffn_norm.weight": 1 + 0.1 * f32(H),
+              p + "ffn.gate.weight": f32(experts, H), p + "ffn.gate.bias": np.zeros(experts, np.float32),
+              p + "ffn.shared_experts.w1.weight": f32(inter, H), p + "ffn.shared_experts.w3.weight": f32(inter, H),
+              p + "ffn.shared_experts.w2.weight": f32(H, inter),
+              p + "hc_attn_fn": f32(HC, H), p + "hc_attn_base": f32(HC), p + "hc_attn_scale": np.ones(3, np.float32),
+              p + "hc_ffn_fn": f32(HC, H), p + "hc_ffn_base": f32(HC), p + "hc_ffn_scale": np.ones(3, np.float32)}
+        if i == 0:
+            fl |= {p + "main_proj.weight": f32(H, 3 * H), p + "main_norm.weight": 1 + 0.1 * f32(H)}
+            _plant_edges(fl[p + "attn.wq_a.weight"])
+        if i == stages - 1:
+            fl |= {p + "norm.weight": 1 + 0.1 * f32(H), p + "markov_head.embed.weight": f32(V, rank),
+                   p + "markov_head.head.weight": f32(V, rank), p + "confidence_head.proj.weight": f32(1, H + rank)}
+        floats |= fl
+        _store_v4(mtp, fl, fp8_parts=fp8_parts, f32_parts=f32_parts)
+        _mxfp4_experts(mtp, rng, p, experts, inter, H)
+    for name, w in floats.items():
+        if not name.startswith("mtp."):
+            base[name] = torch.from_numpy(w).to(torch.bfloat16)
+    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dim": H, "hidden_size": H,
+              "num_hidden_layers": 1, "num_nextn_predict_layers": stages, "vocab_size": V, "hc_mult": HC,
+              "dspark_target_layer_ids": [0, 0, 0], "dspark_markov_rank": rank, "enable_confidence_head": True,
               "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}}
     _write(Path(out_dir), config, shards)

@@ -1,0 +1,122 @@
+"""DSpark block training and evaluation (drafter/training/dspark.py, evaluation/acceptance.py
+block_acceptance, evaluation/calibration.py) on a synthetic target whose next token is a fixed
+function of the current one: the draft learns it, τ per block rises towards K + 1, the numbers
+follow the metric definitions, and the confidence head's calibration is computed exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from drafter.core.config import TrainConfig
+from drafter.data.windows import Window
+from drafter.evaluation.acceptance import block_acceptance, block_forward, rule_alphas, summarize
+from drafter.evaluation.calibration import plot_reliability, reliability
+from drafter.models.dspark import DSparkConfig, DSparkDraft
+from drafter.training.dspark import block_loss
+
+V, H, K = 64, 32, 3
+
+
+def _world(seed=0):
+    """A target: embedding, LM head, and windows whose tokens follow x' = (5x + 3) mod V with the
+    target's LM-head input pointing at the next token (so p is peaked on the data)."""
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(V, H)
+    head = torch.randn(V, H, generator=g)
+    wins = []
+    for r in range(10):
+        x = [int(torch.randint(0, V, (1,), generator=g))]
+        for _ in range(40):
+            x.append((5 * x[-1] + 3) % V)
+        ids = torch.tensor(x)
+        nxt = torch.tensor(x[1:] + [x[0]])
+        hidden = 4.0 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True) + 0.1 * torch.randn(len(x), H, generator=g)
+        feats = torch.randn(len(x), 2 * H, generator=g)
+        mask = torch.ones(len(x), dtype=torch.bool)
+        mask[:3] = False  # a prompt
+        wins.append(Window(f"row{r}", 7 * r, ids, mask, hidden, feats))
+    return embed, head, wins
+
+
+def _draft(seed=0):
+    torch.manual_seed(seed)
+    cfg = DSparkConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=V, target_hidden_size=H,
+                       target_layer_ids=[0, 1], block_size=K, markov_rank=16, noise_token_id=V - 1)
+    return DSparkDraft(cfg)
+
+
+def test_block_acceptance_follows_the_metric_definitions():
+    embed, head, wins = _world()
+    d = _draft()
+    res = block_acceptance(d, embed, head, wins[:2], chunk=7)
+    # by hand: every anchor p with p+1..p+K assistant tokens inside the window
+    alphas = {r: [] for r in ("t0", "t1_greedy", "t1_prob")}
+    for w in wins[:2]:
+        T = len(w.input_ids)
+        anchors = torch.tensor([p for p in range(1, T - K) if bool(w.loss_mask[p + 1:p + 1 + K].all())])
+        with torch.no_grad():
+            out, p_logits = block_forward(d, embed, head, w, anchors)
+        for r in alphas:
+            alphas[r].append(torch.stack([rule_alphas(torch.softmax(p_logits[:, j], -1), out.logits[0, :, j])[r]
+                                          for j in range(K)], 1))
+    for r, a in alphas.items():
+        want = summarize(torch.cat(a))
+        assert res[r]["positions"] == want["positions"] == 2 * 36  # p = 2..37: p+1 past the prompt, p+K inside the window
+        assert res[r]["tau"] == pytest.approx(want["tau"], abs=1e-6)  # float32 logits; chunks of 7 anchors against all at once
+        chain = torch.cumprod(torch.cat(a).double(), 1)
+        assert want["tau"] == pytest.approx(float(1 + chain.sum(1).mean()), abs=1e-9)
+    conf = res["confidence"]
+    assert conf["confidence"].shape == conf["accepted"].shape == (2 * 36, K)
+
+
+def test_training_the_recipe_loss_learns_the_blocks():
+    embed, head, wins = _world()
+    d = _draft()
+    cfg = TrainConfig(loss="ce_l1", gamma=4.0, ce_w=0.1, l1_w=0.9)
+    before = block_acceptance(d, embed, head, wins[8:])
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    first = None
+    for step in range(120):
+        loss, stats = block_loss(d, embed, head, wins[step % 8], cfg, anchors=16, confidence_w=0.1, generator=g)
+        first = first if first is not None else float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert len(stats) == K and all("alpha" in s and "confidence_bce" in s for s in stats)
+    after = block_acceptance(d, embed, head, wins[8:])  # held-out rows
+    print(before["t0"]["tau"], after["t0"]["tau"], first, float(loss))
+    assert float(loss) < 0.5 * first
+    assert before["t0"]["tau"] < 1.3 and after["t0"]["tau"] > 3.0  # of at most K + 1 = 4
+    assert after["t1_prob"]["tau"] > before["t1_prob"]["tau"] + 1.0
+    # the confidence head learned that these blocks are accepted
+    rel = reliability(after["confidence"]["confidence"], after["confidence"]["accepted"])
+    assert rel["mean_confidence"] > 0.6 and rel["ece"] < 0.3
+
+
+def test_the_ablation_loss_and_a_window_without_features():
+    embed, head, wins = _world()
+    d = _draft()
+    loss, stats = block_loss(d, embed, head, wins[0], TrainConfig(loss="lk_hybrid", eta=3.0), anchors=8,
+                             confidence_w=0.0)
+    assert loss.requires_grad and all("lambda" in s and "confidence_bce" not in s for s in stats)
+    bare = Window("r", 0, wins[0].input_ids, wins[0].loss_mask, wins[0].hidden)
+    with pytest.raises(ValueError, match="window r@0 has no features"):
+        block_loss(d, embed, head, bare, TrainConfig(), anchors=4, confidence_w=0.1)
+
+
+def test_reliability_and_ece_by_hand(tmp_path):
+    conf = torch.tensor([0.05, 0.15, 0.12, 0.95, 0.91, 0.99, 0.55])
+    hit = torch.tensor([0, 1, 0, 1, 1, 0, 1])
+    rel = reliability(conf, hit, bins=10)
+    b = rel["bins"]
+    assert [r["count"] for r in b] == [1, 2, 0, 0, 0, 1, 0, 0, 0, 3]
+    assert b[1]["confidence"] == pytest.approx(0.135) and b[1]["frequency"] == pytest.approx(0.5)
+    want = (1 * 0.05 + 2 * abs(0.5 - 0.135) + 1 * abs(1 - 0.55) + 3 * abs(2 / 3 - (0.95 + 0.91 + 0.99) / 3)) / 7
+    assert rel["ece"] == pytest.approx(want, abs=1e-7)  # float32 confidences
+    png = plot_reliability(rel, tmp_path / "rel.png", "test")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="must lie in"):
+        reliability(torch.tensor([1.5]), torch.tensor([1]))
