@@ -23,7 +23,7 @@ test: envs system-deps
 	@mkdir -p build/images && rm -f build/images/make-test.status
 	@( bash deployments/images.sh > build/images/make-test.log 2>&1; echo $$? > build/images/make-test.status ) &
 	DRAFTER_IMAGES_STATUS=$(abspath build/images/make-test.status) DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) \
-	  $(VPY) -m pytest -q --durations=15 tests
+	  $(VPY) -m pytest -q --durations=40 --junitxml=build/test-results.xml tests
 
 envs: env serve-env
 
