@@ -120,3 +120,31 @@ def test_reliability_and_ece_by_hand(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="must lie in"):
         reliability(torch.tensor([1.5]), torch.tensor([1]))
+
+
+def test_block_training_killed_and_resumed_reaches_the_same_weights(tmp_path):
+    """The loop with the block loss: stopped after 3 of 6 steps, resumed from its checkpoint, it ends
+    with the weights of an uninterrupted run (anchors come from torch's generator, kept in checkpoints)."""
+    from drafter.training.loop import train
+
+    embed, head, wins = _world()
+    cfg = TrainConfig(loss="ce_l1", max_steps=6, warmup_steps=1, lr=1e-2, micro_batch=1, eval_every=100,
+                      checkpoint_every=1, freeze=[])
+
+    def run(workdir, stop_after=None):
+        d = _draft()
+        loss_fn = lambda w: block_loss(d, embed, head, w, cfg, anchors=8, confidence_w=0.1)  # noqa: E731
+        evaluate = lambda: {r: {"tau": 1.0, "alpha": []} for r in ("t0", "t1_greedy")}  # noqa: E731
+        try:
+            train(d, head, wins[:8], wins[8:], cfg, workdir, log=lambda *_: None, stop_after=stop_after,
+                  loss_fn=loss_fn, evaluate=evaluate)
+        except KeyboardInterrupt:
+            return None
+        return d.state_dict()
+
+    whole = run(tmp_path / "whole")
+    assert run(tmp_path / "cut", stop_after=3) is None
+    resumed = run(tmp_path / "cut")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert not torch.equal(whole["fc.weight"], _draft().state_dict()["fc.weight"])  # it trained

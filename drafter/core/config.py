@@ -333,6 +333,42 @@ class BootstrapConfig(TrainConfig):
     eval_every: int = Field(100, ge=1, description="Held-out α per position and simulated τ every N steps.")
 
 
+class DSparkSection(Section):
+    """A DSpark block drafter (vLLM's ``method: dspark``, a standalone Qwen3 DSpark draft) in place of the
+    MTP layer: `bootstrap_drafter`, `train`, `eval_offline` and `ab_live` train, evaluate and serve it
+    (drafter/models/dspark.py). The training recipe is `train` (loss ``ce_l1``, γ) plus the fields here."""
+
+    enabled: bool = Field(False, description="Train and evaluate a DSpark block drafter instead of the MTP layer.")
+    target_layer_ids: list[int] = Field(default_factory=list, description="Target decoder layers whose outputs the "
+                                        "draft reads (vLLM's dflash_config.target_layer_ids; layer i = capture layer i+1, "
+                                        "so capture.layers must hold each i+1).")
+    block_size: int = Field(5, ge=2, le=16, description="Tokens per block: the anchor + block_size−1 noise tokens; "
+                            "served with num_speculative_tokens = block_size.")
+    num_hidden_layers: int = Field(1, ge=1, le=8, description="Decoder layers of the draft (shaped like the target's).")
+    markov_rank: int = Field(256, ge=1, description="Rank r of the Markov head (W1 [V, r], W2 [V, r]).")
+    confidence_head: bool = Field(True, description="Train the confidence head (per-position acceptance estimate "
+                                  "used by vLLM's adaptive verification).")
+    confidence_w: float = Field(0.1, ge=0, description="Weight of the confidence head's binary cross-entropy.")
+    anchors: int = Field(256, ge=1, description="Anchors (blocks) per training window per pass.")
+    init_seed: int = Field(0, description="Seed of the bootstrap's random initialization of the draft.")
+    released: str | None = Field(None, description="Folder of the released DSpark draft (config.json + *.safetensors, "
+                                 "as vLLM loads it) that the fine-tune starts from; None: the bootstrap's (the demo).")
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _layers(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v) or len(set(v)) != len(v):
+            raise ValueError(f"dspark.target_layer_ids {v}: layer ids must be distinct and ≥ 0")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_layers(self) -> "DSparkSection":
+        if self.enabled and not self.target_layer_ids:
+            raise ValueError("dspark.enabled needs dspark.target_layer_ids (the target layers the draft reads, "
+                             "e.g. [1, 14, 27] for a 30-layer target)")
+        return self
+
+
 class AblationConfig(Section):
     losses: list[Literal["kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1"]] = Field(
         default_factory=list, description="Extra fine-tunes with other losses, all else equal (e.g. [kl] for the "
@@ -634,6 +670,8 @@ class ReleaseConfig(Section):
     retrain: RetrainConfig = Field(default_factory=RetrainConfig, description="Scheduled retraining on fresh traffic.")
     baseline: BaselineConfig = Field(default_factory=BaselineConfig, description="What the candidate is compared with "
                                      "(default: the released drafter; a retrain sets the champion).")
+    dspark: DSparkSection = Field(default_factory=DSparkSection, description="A DSpark block drafter in place of the "
+                                  "MTP layer (vLLM's method dspark).")
     runner: RunnerConfig = Field(default_factory=RunnerConfig, description="Where each stage runs: in the flow's "
                                  "process (local) or each in its own container (containers). `runner: containers` for short.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
@@ -644,6 +682,17 @@ class ReleaseConfig(Section):
     @classmethod
     def _runner_shorthand(cls, v: Any) -> Any:
         return {"kind": v} if isinstance(v, str) else v  # `runner: containers`
+
+    @model_validator(mode="after")
+    def _dspark_capture(self) -> "ReleaseConfig":
+        if self.dspark.enabled:
+            need = [i + 1 for i in self.dspark.target_layer_ids]
+            missing = [n for n in need if n not in self.capture.layers]
+            if missing:
+                raise ValueError(f"capture.layers {self.capture.layers} lacks {missing}: dspark.target_layer_ids "
+                                 f"{self.dspark.target_layer_ids} read the outputs of those decoder layers, stored as "
+                                 f"capture layers i+1 (set capture.layers to include {need})")
+        return self
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

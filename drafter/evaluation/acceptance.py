@@ -124,37 +124,54 @@ def block_forward(draft, embed: torch.nn.Module, head_weight: torch.Tensor, win:
 
 
 @torch.no_grad()
+def window_block_alphas(draft, embed, head_weight: torch.Tensor, win: Window, chunk: int = 64):
+    """α ``{rule: [m, K]}`` of a DSpark block draft at the ``m`` anchors ``p ≥ 1`` of one window whose
+    ``K`` predicted tokens exist and are assistant tokens, and the confidence head's σ ``[m, K]``
+    (None without the head). Block position ``j`` is compared with the target at ``p+j``; the Markov
+    head is teacher-forced, which at T=0 is what serving computes for every position it reaches."""
+    K = draft.cfg.block_size
+    T = len(win.input_ids)
+    lm = win.loss_mask.bool()
+    cand = [p for p in range(1, T - K) if bool(lm[p + 1:p + 1 + K].all())]
+    per = {r: [] for r in RULES}
+    conf = []
+    for i in range(0, len(cand), chunk):
+        anchors = torch.tensor(cand[i:i + chunk])
+        out, p_logits = block_forward(draft, embed, head_weight, win, anchors)
+        p = F.softmax(p_logits.float(), -1)
+        cols = {r: [] for r in RULES}
+        for j in range(K):
+            a = rule_alphas(p[:, j], out.logits[0, :, j])
+            for r in RULES:
+                cols[r].append(a[r])
+        for r in RULES:
+            per[r].append(torch.stack(cols[r], 1))
+        if out.confidence_logits is not None:
+            conf.append(torch.sigmoid(out.confidence_logits[0].float()))
+    alphas = {r: torch.cat(v) if v else torch.zeros(0, K) for r, v in per.items()}
+    has_head = getattr(draft, "confidence_head", None) is not None
+    confidence = (torch.cat(conf) if conf else torch.zeros(0, K)) if has_head else None
+    return alphas, confidence
+
+
+@torch.no_grad()
 def block_acceptance(draft, embed, head_weight: torch.Tensor, windows: Iterable[Window], chunk: int = 64) -> dict[str, dict]:
-    """Acceptance of a DSpark block draft (:mod:`drafter.models.dspark`) under the three rules, over
-    every anchor ``p ≥ 1`` of ``windows`` whose ``K`` predicted tokens exist and are assistant
-    tokens. Block position ``j`` (the ``j+1``-th draft) is compared with the target at ``p+j``; the
-    Markov head is teacher-forced, which at T=0 is what serving computes for every position it
-    reaches (earlier drafts accepted = equal to the data). τ per block = 1 + Σ_k Π_{j≤k} α_j.
-    ``confidence`` (with a confidence head): σ of the head per position and the T=0 outcome, for
-    :func:`drafter.evaluation.calibration.reliability`."""
+    """Acceptance of a DSpark block draft (:mod:`drafter.models.dspark`) under the three rules over
+    every eligible anchor of ``windows`` (:func:`window_block_alphas`); τ per block =
+    1 + Σ_k Π_{j≤k} α_j. ``confidence`` (with a confidence head): σ of the head per position and
+    the T=0 outcome, for :func:`drafter.evaluation.calibration.reliability`."""
     was_training = draft.training
     draft.eval()
     K = draft.cfg.block_size
     acc = {r: [] for r in RULES}
     conf, outcome = [], []
     for w in windows:
-        T = len(w.input_ids)
-        lm = w.loss_mask.bool()
-        cand = [p for p in range(1, T - K) if bool(lm[p + 1:p + 1 + K].all())]
-        for i in range(0, len(cand), chunk):
-            anchors = torch.tensor(cand[i:i + chunk])
-            out, p_logits = block_forward(draft, embed, head_weight, w, anchors)
-            p = F.softmax(p_logits.float(), -1)
-            per = {r: [] for r in RULES}
-            for j in range(K):
-                a = rule_alphas(p[:, j], out.logits[0, :, j])
-                for r in RULES:
-                    per[r].append(a[r])
-            for r in RULES:
-                acc[r].append(torch.stack(per[r], 1))
-            if out.confidence_logits is not None:
-                conf.append(torch.sigmoid(out.confidence_logits[0].float()))
-                outcome.append(torch.stack(per["t0"], 1))
+        alphas, c = window_block_alphas(draft, embed, head_weight, w, chunk)
+        for r in RULES:
+            acc[r].append(alphas[r])
+        if c is not None:
+            conf.append(c)
+            outcome.append(alphas["t0"])
     draft.train(was_training)
     res = {r: summarize(torch.cat(acc[r]) if acc[r] else torch.zeros(0, K)) for r in RULES}
     if conf:

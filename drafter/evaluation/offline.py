@@ -94,9 +94,14 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
 
 
 def heldout_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: torch.Tensor, windows: Iterable[Window],
-                   k_max: int, on_window: Callable[[int], None] | None = None) -> HeldoutAlphas:
+                   k_max: int, on_window: Callable[[int], None] | None = None,
+                   alphas_fn: Callable[[Window], dict] | None = None) -> HeldoutAlphas:
     """α of every drafter under every rule at every eligible position of ``windows``, with the
-    conversation of each position (windows of one conversation form one bootstrap cluster)."""
+    conversation of each position (windows of one conversation form one bootstrap cluster).
+    ``alphas_fn(window) → {drafter: {rule: [m, k_max]}}`` replaces the MTP unroll
+    (:func:`window_rule_alphas`), e.g. for DSpark blocks (every drafter at the same m positions)."""
+    if alphas_fn is None:
+        alphas_fn = lambda win: window_rule_alphas(drafters, head_weight, win, k_max)  # noqa: E731
     states = {name: d.training for name, d in drafters.items()}
     for d in drafters.values():
         d.eval()
@@ -105,7 +110,7 @@ def heldout_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: torch.T
     acc: dict[str, dict[str, list[np.ndarray]]] = {d: {r: [] for r in RULES} for d in drafters}
     try:
         for win in windows:
-            a = window_rule_alphas(drafters, head_weight, win, k_max)
+            a = alphas_fn(win)
             m = int(next(iter(a.values()))["t0"].shape[0]) if a else 0
             if m:
                 ci = conv_index.setdefault(win.row_id, len(conv_index))
@@ -210,9 +215,10 @@ def conversation_labels(rows: Iterable[dict]) -> dict[str, dict[str, str]]:
 # --------------------------------------------------------------------------- speed
 
 
-def expected_speedup(tau_by_k: list[float], draft_cost: float) -> list[float]:
-    """speed(K) / speed(plain decoding) = τ(K) / (1 + K·draft_cost), for K = 1..len(tau_by_k)."""
-    return [t / (1 + k * draft_cost) for k, t in enumerate(tau_by_k, start=1)]
+def expected_speedup(tau_by_k: list[float], draft_cost: float, block: bool = False) -> list[float]:
+    """speed(K) / speed(plain decoding) = τ(K) / (1 + K·draft_cost), for K = 1..len(tau_by_k); a block
+    draft (DSpark) proposes its K tokens in one pass: τ(K) / (1 + draft_cost)."""
+    return [t / (1 + (1 if block else k) * draft_cost) for k, t in enumerate(tau_by_k, start=1)]
 
 
 def recommend_k(speedups: list[float]) -> int:
@@ -244,14 +250,33 @@ def measure_draft_cost(target_model, drafter, window: Window, repeats: int = 5, 
     return {"draft_s": draft_s, "target_s": target_s, "ratio": draft_s / target_s, "tokens": int(ids.shape[1])}
 
 
+@torch.inference_mode()
+def measure_block_cost(target_model, draft, embed, head_weight: torch.Tensor, window: Window, repeats: int = 5,
+                       warmup: int = 1) -> dict:
+    """Time a DSpark draft's pass (blocks tiling ``window``: every B-th position an anchor, so as many
+    query tokens as the window has, with its LM head) against one target forward over the same
+    tokens; median of ``repeats`` after ``warmup``. ``ratio`` = the cost of one block pass relative to
+    one target step at equal tokens. Returns ``{"draft_s", "target_s", "ratio", "tokens"}``."""
+    from drafter.evaluation.acceptance import _head
+
+    ids, pos = window.input_ids[None], window.positions[None]
+    T, K = ids.shape[1], draft.cfg.block_size
+    anchors = torch.arange(1, T, K)[None]
+    target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup)
+    draft_s = _median_seconds(lambda: draft(ids, window.features[None], anchors, embed=embed, lm_head=_head(head_weight),
+                                            start=window.start), repeats, warmup)
+    return {"draft_s": draft_s, "target_s": target_s, "ratio": draft_s / target_s, "tokens": int(T)}
+
+
 # --------------------------------------------------------------------------- the evaluation
 
 
 def evaluate(held: HeldoutAlphas, labels: Mapping[str, Mapping[str, str]], *, draft_cost: float,
              draft_cost_measured: bool, samples: int = 1000, seed: int = 0, confidence: float = 0.95,
-             speed_rule: str = "t0") -> dict:
+             speed_rule: str = "t0", block: bool = False) -> dict:
     """The ``eval_offline.json`` document: per drafter and rule τ(K), α_k (with intervals), per domain
-    and per mode; the paired candidate − baseline difference; expected speed and recommended K."""
+    and per mode; the paired candidate − baseline difference; expected speed and recommended K.
+    ``block``: the drafters are block drafts (DSpark; one pass per step, see :func:`expected_speedup`)."""
     K = held.k_max
     cluster, C = _compact(held.conv)
     counts = resample_counts(max(C, 1), samples, seed)
@@ -290,9 +315,10 @@ def evaluate(held: HeldoutAlphas, labels: Mapping[str, Mapping[str, str]], *, dr
             difference[rule] = {"tau_by_k": [float(x) for x in point[:K]],
                                 "tau_ci": [[float(a), float(b)] for a, b in ci[:K]]}
 
-    speed = {name: expected_speedup(d[speed_rule]["tau_by_k"], draft_cost) for name, d in drafters.items()}
+    speed = {name: expected_speedup(d[speed_rule]["tau_by_k"], draft_cost, block) for name, d in drafters.items()}
     return {
         "k_max": K,
+        "drafting": "block" if block else "chain",
         "draft_cost": draft_cost,
         "draft_cost_measured": draft_cost_measured,
         "confidence": confidence,
@@ -345,12 +371,16 @@ def render_markdown(res: dict) -> str:
     for rule in RULES:
         for n in names:
             lines.append("| " + " | ".join([RULE_TITLES[rule], n] + [f"{a:.3f}" for a in res["drafters"][n][rule]["alpha"]]) + " |")
-    lines += ["", f"### Expected speed vs plain decoding (τ(K) / (1 + K·{res['draft_cost']:.4f}), {RULE_TITLES[res['speed_rule']]})", ""]
+    per = "1" if res.get("drafting") == "block" else "K"
+    lines += ["", f"### Expected speed vs plain decoding (τ(K) / (1 + {per}·{res['draft_cost']:.4f}), {RULE_TITLES[res['speed_rule']]})", ""]
     head = ["drafter"] + [f"K={k + 1}" for k in range(K)] + ["recommended K"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in names:
         lines.append("| " + " | ".join([n] + [f"{s:.3f}×" for s in res["expected_speedup"][n]]
                                         + [str(res["recommended_k"][n])]) + " |")
+    if res.get("drafting") == "block":
+        lines += ["", f"Block drafting: one pass proposes the block's {K} tokens; τ at K < {K} is the prefix of "
+                  f"that block (the draft is served with num_speculative_tokens = {K})."]
     for field, title in (("by_domain", "domain"), ("by_mode", "mode")):
         lines += ["", f"### τ by {title} ({RULE_TITLES['t0']} and {RULE_TITLES['t1_greedy']}, K={K})", ""]
         head = [title, "conversations", "positions"] + [f"τ {n} ({r})" for r in ("t0", "t1_greedy") for n in names]

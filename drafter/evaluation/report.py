@@ -87,6 +87,31 @@ def decode_line(ab: dict) -> str | None:
             + (f"; mean time to first token {ttft:.2f} s" if ttft is not None else "") + ".\n")
 
 
+RULE_NAMES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
+
+
+def block_table(ev: dict) -> str:
+    """Markdown: a block draft's (DSpark) offline τ per block at the full block, released vs fine-tuned
+    with intervals and the paired difference, per rule; the confidence heads' ECE."""
+    k = ev["k_max"]
+    pct = round(100 * ev["confidence"])
+    head = ["rule", f"released τ [{pct}% CI]", f"fine-tuned τ [{pct}% CI]", "ratio", f"difference [{pct}% CI]"]
+    lines = [f"### Offline τ per block (block {k}, held-out: {ev['conversations']} conversations, "
+             f"{ev['positions']} anchors)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rule, name in RULE_NAMES.items():
+        b, c = ev["drafters"]["baseline"][rule], ev["drafters"]["candidate"][rule]
+        d = ev["difference"][rule]
+        lines.append(f"| {name} | {b['tau_by_k'][k - 1]:.3f} [{b['tau_ci'][k - 1][0]:.3f}, {b['tau_ci'][k - 1][1]:.3f}] | "
+                     f"{c['tau_by_k'][k - 1]:.3f} [{c['tau_ci'][k - 1][0]:.3f}, {c['tau_ci'][k - 1][1]:.3f}] | "
+                     f"{c['tau_by_k'][k - 1] / b['tau_by_k'][k - 1]:.3f}× | {d['tau_by_k'][k - 1]:+.3f} "
+                     f"[{d['tau_ci'][k - 1][0]:+.3f}, {d['tau_ci'][k - 1][1]:+.3f}] |")
+    cal = ev.get("calibration") or {}
+    if cal:
+        lines += ["", "Confidence head (expected calibration error, held-out, outcome = accepted at T=0): "
+                  + "; ".join(f"{LABELS.get(n, n)} {r['ece']:.4f}" for n, r in cal.items() if r.get("ece") is not None)]
+    return "\n".join(lines) + "\n"
+
+
 def _quant_lines(st: dict) -> list[str]:
     """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
     out = []
@@ -126,7 +151,11 @@ def release_report(summary: dict) -> str:
         decode = decode_line(ab)
         if decode:
             parts.append(decode)
-    if ev:
+    if st.get("ab_live") and _skipped(st["ab_live"]):
+        parts.append(f"**Live A/B**: not measured — {st['ab_live'].get('reason')}\n")
+    if ev and ev.get("drafting") == "block":
+        parts.append(block_table(ev))
+    elif ev:
         rk = ev.get("recommended_k", {})
         parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "
                      f"({rk.get('baseline')} for the released one) at draft cost {ev.get('draft_cost', 0):.3f} "

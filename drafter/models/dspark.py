@@ -66,6 +66,7 @@ from torch import nn
 Tensor = torch.Tensor
 
 ARCHITECTURE = "Qwen3DSparkModel"
+DSPARK_DIR = "dspark"  # a stage output's draft folder: config.json + model.safetensors, what vLLM loads
 #: Frozen by default in DSpark training: nothing of the draft (the shared target embedding and LM
 #: head are not the draft's parameters).
 DEFAULT_FROZEN: tuple[str, ...] = ()
@@ -492,5 +493,5 @@ def load_dspark(path: Path) -> DSparkDraft:
     return draft
 
 
-__all__ = ["ARCHITECTURE", "ConfidenceHead", "DSparkConfig", "DSparkDraft", "DSparkOutput", "MarkovHead",
+__all__ = ["ARCHITECTURE", "DSPARK_DIR", "ConfidenceHead", "DSparkConfig", "DSparkDraft", "DSparkOutput", "MarkovHead",
            "block_acceptance", "capture_layers", "draft_greedy", "load_dspark", "sample_anchors", "save_dspark", "state_for_vllm"]

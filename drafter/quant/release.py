@@ -58,8 +58,8 @@ class FP8Release:
 
 
 def is_drafter_key(key: str, config: dict) -> bool:
-    if key.startswith("mtp."):
-        return True
+    if key.startswith("mtp.") or "Qwen3DSparkModel" in (config.get("architectures") or []):
+        return True  # a standalone DSpark draft: every tensor is the drafter's
     L = int(config.get("num_hidden_layers") or 0)
     n = int(config.get("num_nextn_predict_layers") or 0)
     return any(key.startswith(f"model.layers.{i}.") for i in range(L, L + n))

@@ -97,3 +97,36 @@ def write_standin_release(target_dir: Path, released: Path, out_dir: Path, rule:
         qc["scale_fmt"] = "ue8m0"
     (out_dir / "config.json").write_text(json.dumps(config | {"quantization_config": qc}, indent=2) + "\n")
     return out_dir
+
+
+def is_dspark_fp8(name: str, shape: tuple) -> bool:
+    """Which tensors of a standalone DSpark draft the stand-in stores as FP8: the decoder layers'
+    linear weights (as the MTP stand-in); ``fc``, norms, the Markov and confidence heads stay float."""
+    return len(shape) == 2 and name.startswith("layers.") and (".self_attn." in name or ".mlp." in name) \
+        and name.endswith("_proj.weight")
+
+
+def write_standin_dspark_release(released: Path, out_dir: Path, rule: str, block: tuple[int, int] | None = None) -> Path:
+    """The demo's stand-in FP8 release of a DSpark draft folder (``released``: config.json +
+    *.safetensors): the decoder layers' linear weights by the reference implementation, the other
+    tensors as they are, in ``out_dir/model.safetensors`` with an index and the config plus a
+    ``quantization_config``."""
+    from safetensors import safe_open
+
+    from drafter.quant.release import DEFAULT_BLOCK
+
+    block = tuple(block or DEFAULT_BLOCK[rule])
+    released, out_dir = Path(released), Path(out_dir)
+    config = json.loads((released / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(released.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                w = h.get_tensor(k)
+                tensors |= fp8_tensors(k, w.float().numpy(), block, rule, v4=False) if is_dspark_fp8(k, tuple(w.shape)) \
+                    else {k: w}
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    if rule == "ue8m0":
+        qc["scale_fmt"] = "ue8m0"
+    write_release(out_dir, config | {"quantization_config": qc}, {"model.safetensors": tensors})
+    return out_dir

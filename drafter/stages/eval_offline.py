@@ -10,6 +10,9 @@ under the three rules (T=0; T=1 with greedy and with probabilistic drafts), τ(K
 from the chain products; bootstrap intervals over conversations; the same per domain and per mode;
 the draft cost (one drafter step vs one target forward over the same tokens, this machine, unless
 configured) and the K maximizing the expected speed τ(K) / (1 + K·cost).
+With ``dspark.enabled``: the released and fine-tuned DSpark drafts at every eligible anchor (τ per
+block at K = 1..block size, the same intervals, domains, modes and paired difference, cost of one
+block pass) and each confidence head's calibration (ECE, ``reliability.png``).
 Writes: ``eval_offline.json`` (see :func:`drafter.evaluation.offline.evaluate`), ``eval_offline.md``,
 ``tau_vs_k.png``, ``acceptance_per_position.png``.
 Reports: τ at every K per rule and drafter (``tau_<rule>_k<K>_<drafter>``), α per position, the
@@ -26,19 +29,126 @@ from drafter.data.capture import load_target_model
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards, write_json_atomic
 from drafter.core.errors import StageError
-from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_draft_cost,
-                                plot_acceptance_per_position, plot_tau_vs_k, render_markdown)
+from drafter.evaluation.acceptance import window_block_alphas
+from drafter.evaluation.calibration import plot_reliability, reliability
+from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_block_cost,
+                                        measure_draft_cost, plot_acceptance_per_position, plot_tau_vs_k,
+                                        render_markdown)
+from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
+from drafter.training.run import target_embedding
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.train import baseline_weights
+from drafter.stages.train import baseline_weights, released_draft
 from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
+
+
+def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, labels: dict, t_start: float) -> Metrics:
+    """The block-drafting evaluation: both DSpark drafts at every eligible anchor (block of
+    ``dspark.block_size``), the same intervals, domains, modes and paired difference, plus each
+    confidence head's calibration (reliability bins, ECE, ``reliability.png``)."""
+    c = cfg.eval_offline
+    model_dir = target_dir(inputs["prepare_target"])
+    candidate = inputs["train"].path / DSPARK_DIR
+    if not (candidate / "config.json").is_file():
+        raise StageError(f"train output {inputs['train'].path} has no {DSPARK_DIR}/ (the fine-tuned DSpark draft)")
+    drafts = {}
+    for name, folder in (("baseline", released_draft(cfg, inputs)), ("candidate", candidate)):
+        try:
+            drafts[name] = load_dspark(folder).eval()
+        except (OSError, ValueError) as e:
+            raise StageError(f"the {name} DSpark draft {folder}: {e}") from e
+    K = drafts["candidate"].cfg.block_size
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    embed = target_embedding(model_dir)
+    windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=K + 2, max_windows=c.max_windows,
+                           feature_layers=capture_layers(drafts["candidate"].cfg))
+    conf = {n: ([], []) for n, d in drafts.items() if d.confidence_head is not None}
+
+    def alphas_fn(win):
+        res = {}
+        for name, d in drafts.items():
+            alphas, confidence = window_block_alphas(d, embed, head, win)
+            res[name] = alphas
+            if confidence is not None:
+                conf[name][0].append(confidence)
+                conf[name][1].append(alphas["t0"])
+        return res
+
+    with progress("eval_offline", total=len(windows), unit="windows") as bar:
+        held = heldout_alphas(drafts, head, windows, K, on_window=bar.advance, alphas_fn=alphas_fn)
+    if held.positions == 0:
+        raise StageError(f"capture {inputs['capture'].path}: no held-out anchor has a block of {K} assistant tokens "
+                         "after it (capture longer conversations)")
+    eval_seconds = time.monotonic() - t_start
+    cost = None
+    if c.draft_cost is None:
+        target = load_target_model(model_dir)
+        longest = max(windows, key=lambda w: len(w.input_ids))
+        cost = measure_block_cost(target, drafts["candidate"], embed, head, longest, repeats=c.cost_repeats)
+        del target
+    draft_cost = cost["ratio"] if cost else c.draft_cost
+    res = evaluate(held, labels, draft_cost=draft_cost, draft_cost_measured=cost is not None,
+                   samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule, block=True)
+    res["windows"] = len(windows)
+    if cost:
+        res["draft_cost_timing"] = cost
+    calibration = {n: reliability(torch.cat(cs), torch.cat(ys)) for n, (cs, ys) in conf.items() if cs}
+    res["calibration"] = calibration
+    write_json_atomic(out / "eval_offline.json", res)
+    md = render_markdown(res)
+    if calibration:
+        md += "\n### Confidence head calibration (held-out, outcome: accepted at T=0)\n\n| drafter | ECE | mean confidence | accepted |\n|---|---|---|---|\n"
+        md += "".join(f"| {n} | {r['ece']:.4f} | {r['mean_confidence']:.3f} | {r['mean_outcome']:.3f} |\n"
+                      for n, r in calibration.items())
+        plot_reliability(calibration["candidate"] if "candidate" in calibration else next(iter(calibration.values())),
+                         out / "reliability.png", "confidence head (fine-tuned), held-out")
+    (out / "eval_offline.md").write_text(md)
+    plot_tau_vs_k(res, out / "tau_vs_k.png")
+    plot_acceptance_per_position(res, out / "acceptance_per_position.png")
+    metrics = _metrics(res, len(windows), held.positions, draft_cost, cost is not None)
+    metrics["drafting"] = "block"
+    metrics["block_size"] = K
+    for name, r in calibration.items():
+        metrics[f"ece_{name}"] = round(r["ece"], 4)
+    d = res["difference"]
+    for rule in ("t0", "t1_greedy", "t1_prob"):
+        metrics[f"tau_{rule}_k{K}_difference"] = round(d[rule]["tau_by_k"][K - 1], 4)
+        metrics[f"tau_{rule}_k{K}_difference_ci"] = [round(x, 4) for x in d[rule]["tau_ci"][K - 1]]
+        for name in drafts:
+            metrics[f"tau_{rule}_k{K}_{name}_ci"] = [round(x, 4) for x in res["drafters"][name][rule]["tau_ci"][K - 1]]
+    metrics["seconds_eval"] = round(eval_seconds, 1)
+    metrics["seconds"] = round(time.monotonic() - t_start, 1)
+    return metrics
+
+
+def _metrics(res: dict, windows: int, positions: int, draft_cost: float, measured: bool) -> Metrics:
+    metrics: Metrics = {"windows": windows, "positions": positions, "conversations": res["conversations"],
+                        "draft_cost": round(draft_cost, 4), "draft_cost_measured": measured}
+    for name, d in res["drafters"].items():
+        for rule, s in d.items():
+            for k, t in enumerate(s["tau_by_k"], start=1):
+                metrics[f"tau_{rule}_k{k}_{name}"] = round(t, 4)
+        metrics[f"alpha_t0_{name}"] = [round(a, 3) for a in d["t0"]["alpha"]]
+        k = res["recommended_k"][name]
+        metrics[f"recommended_k_{name}"] = k
+        metrics[f"expected_speedup_{name}"] = round(res["expected_speedup"][name][k - 1], 4)
+    return metrics
+
+
+def _labels(inputs: dict[str, Artifact]) -> dict:
+    conv_dir = inputs["scrub"].path / "shards"
+    if not list_shards(conv_dir):
+        raise StageError(f"scrub output {conv_dir} has no shard-*.jsonl files (needed for domains and modes)")
+    return conversation_labels(iter_rows(conv_dir))
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     c = cfg.eval_offline
     t_start = time.monotonic()
+    if cfg.dspark.enabled:
+        return _run_dspark(cfg, inputs, out, _labels(inputs), t_start)
     model_dir = target_dir(inputs["prepare_target"])
     candidate = inputs["train"].path / TRAINED_NAME
     if not candidate.is_file():
@@ -49,10 +159,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
     windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=c.k_max + 2,
                            max_windows=c.max_windows)
-    conv_dir = inputs["scrub"].path / "shards"
-    if not list_shards(conv_dir):
-        raise StageError(f"scrub output {conv_dir} has no shard-*.jsonl files (needed for domains and modes)")
-    labels = conversation_labels(iter_rows(conv_dir))
+    labels = _labels(inputs)
 
     with progress("eval_offline", total=len(windows), unit="windows") as bar:
         held = heldout_alphas(drafters, head, windows, c.k_max, on_window=bar.advance)
@@ -79,16 +186,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     plot_tau_vs_k(res, out / "tau_vs_k.png")
     plot_acceptance_per_position(res, out / "acceptance_per_position.png")
 
-    metrics: Metrics = {"windows": len(windows), "positions": held.positions, "conversations": res["conversations"],
-                        "draft_cost": round(draft_cost, 4), "draft_cost_measured": cost is not None}
-    for name, d in res["drafters"].items():
-        for rule, s in d.items():
-            for k, t in enumerate(s["tau_by_k"], start=1):
-                metrics[f"tau_{rule}_k{k}_{name}"] = round(t, 4)
-        metrics[f"alpha_t0_{name}"] = [round(a, 3) for a in d["t0"]["alpha"]]
-        k = res["recommended_k"][name]
-        metrics[f"recommended_k_{name}"] = k
-        metrics[f"expected_speedup_{name}"] = round(res["expected_speedup"][name][k - 1], 4)
+    metrics = _metrics(res, len(windows), held.positions, draft_cost, cost is not None)
     metrics["seconds_eval"] = round(eval_seconds, 1)
     metrics["seconds"] = round(time.monotonic() - t_start, 1)
     return metrics
@@ -98,7 +196,7 @@ STAGE = Stage(
     name="eval_offline",
     version="1",
     inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
-    sections=("eval_offline", "baseline"),
+    sections=("eval_offline", "baseline", "dspark"),
     run=run,
     description="Offline acceptance (τ vs K, α per position, bootstrap CIs, per domain/mode) of the released "
                 "vs the fine-tuned drafter; recommended K",

@@ -29,6 +29,7 @@ from pathlib import Path
 from drafter.core.config import ReleaseConfig
 from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
+from drafter.models.dspark import DSPARK_DIR
 from drafter.quant import exl3
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
@@ -68,6 +69,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         raise StageSkipped("disabled: quantize_exl3.enabled is false")
     model_dir = target_dir(inputs["prepare_target"])
     weights = inputs["train"].path / TRAINED_NAME
+    if not weights.is_file() and (inputs["train"].path / DSPARK_DIR / "config.json").is_file():
+        raise StageSkipped("the drafter is a DSpark block draft: exllamav3 has no DSpark architecture to quantize "
+                           "(vLLM serves the draft from its BF16/F32 tensors or the FP8 form)")
     if not weights.is_file():
         raise StageError(f"{weights}: the fine-tuned drafter is missing from the train output")
     layout, pres = drafter_presentation(model_dir)

@@ -11,6 +11,9 @@ A target whose drafter is not FP8 (and no bootstrap): skipped — there is no FP
 Computes: every drafter tensor in the release's format (:mod:`drafter.quant.dropin`): changed FP8
 weights quantized by the release's rule, unchanged ones (frozen routed experts) as the release's
 exact bytes, the rest cast to the release's dtype.
+DSpark (``dspark.enabled``): the same against the released draft folder's FP8 form, or on the demo a
+stand-in of the bootstrap's draft (its decoder layers' linear weights in FP8); ``fp8/`` then also holds
+the release's ``config.json``, so it is a whole draft folder vLLM loads.
 Writes: ``fp8/mtp-ft.safetensors``, ``fp8/model.safetensors.index.json`` (the release's index with
 every drafter key pointed at the new file), ``fp8/fp8-error.json``, ``release.json``.
 Reports: tensors, FP8 tensors, kept and cast tensors, the largest relative FP8 error and its tensor.
@@ -18,6 +21,7 @@ Reports: tensors, FP8 tensors, kept and cast tensors, the largest relative FP8 e
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
@@ -25,7 +29,8 @@ from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
 from drafter.quant.dropin import build_dropin
-from drafter.quant.standin import write_standin_release
+from drafter.models.dspark import DSPARK_DIR
+from drafter.quant.standin import write_standin_dspark_release, write_standin_release
 from drafter.quant.release import open_release
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
@@ -36,9 +41,12 @@ FP8_DIR = "fp8"
 
 
 def release_dir(quantize_fp8: Artifact, target: Path) -> Path:
-    """Where the release a ``quantize_fp8`` output was made against lives (stand-in or the target)."""
+    """Where the release a ``quantize_fp8`` output was made against lives (stand-in, the target, or a
+    released DSpark draft folder)."""
     info = json.loads((Path(quantize_fp8.path) / RELEASE_JSON).read_text())
-    return Path(quantize_fp8.path) / STANDIN_DIR if info["source"] == "stand-in" else target
+    if info["source"] == "stand-in":
+        return Path(quantize_fp8.path) / STANDIN_DIR
+    return Path(info["dir"]) if info.get("drafter") == "dspark" else target
 
 
 def _float_reader(path: Path):
@@ -50,9 +58,32 @@ def _float_reader(path: Path):
     return read
 
 
+def _dspark_release(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path):
+    """(release, source, start reader, trained file) for a DSpark draft: the released folder's own FP8
+    form when it has one, else — the demo's bootstrap — a stand-in written by the reference code."""
+    from drafter.stages.train import released_draft
+
+    c = cfg.quantize_fp8
+    trained = Path(inputs["train"].path) / DSPARK_DIR / "model.safetensors"
+    if not trained.is_file():
+        raise StageError(f"{trained} is missing: the train stage's output has no fine-tuned DSpark draft")
+    released = released_draft(cfg, inputs)
+    if (released / "model.safetensors.index.json").is_file() and open_release(released) is not None:
+        return open_release(released), "released", None, trained
+    if cfg.dspark.released:
+        raise StageSkipped(f"the released DSpark draft {released} is not FP8: there is no FP8 release to match; "
+                           "the fine-tuned tensors ship in the release's own dtype")
+    rule = c.demo_release_scale if c.scale == "auto" else c.scale
+    write_standin_dspark_release(released, out / STANDIN_DIR, rule, tuple(c.block) if c.block else None)
+    return open_release(out / STANDIN_DIR), "stand-in", _float_reader(released / "model.safetensors"), trained
+
+
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     c = cfg.quantize_fp8
     tdir = target_dir(inputs["prepare_target"])
+    if cfg.dspark.enabled:
+        release, source, start, trained = _dspark_release(cfg, inputs, out)
+        return _dropin(release, source, start, trained, out, tdir, drafter="dspark")
     trained = Path(inputs["train"].path) / TRAINED_NAME
     if not trained.is_file():
         raise StageError(f"{trained} is missing: the train stage's output has no fine-tuned drafter")
@@ -75,10 +106,17 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             raise StageError(f"quantize_fp8.scale={c.scale} but the release {tdir} uses {release.rule} scales")
         if c.block and tuple(c.block) != release.block:
             raise StageError(f"quantize_fp8.block={c.block} but the release {tdir} uses {list(release.block)} blocks")
+    return _dropin(release, source, start, trained, out, tdir, drafter="mtp")
+
+
+def _dropin(release, source: str, start, trained: Path, out: Path, tdir: Path, drafter: str) -> Metrics:
     with progress("quantize_fp8", total=len(release.drafter_keys), unit="tensors") as bar:
         doc = build_dropin(release, trained, out / FP8_DIR, start=start, progress=lambda _k: bar.advance(1))
-    (out / RELEASE_JSON).write_text(json.dumps({"source": source, "dir": STANDIN_DIR if source == "stand-in" else str(tdir), "rule": release.rule,
-                                                "block": list(release.block)}, indent=2) + "\n")
+    if drafter == "dspark":  # the FP8 folder is a whole draft vLLM loads: its config (with quantization_config) too
+        shutil.copyfile(release.dir / "config.json", out / FP8_DIR / "config.json")
+    where = STANDIN_DIR if source == "stand-in" else str(release.dir if drafter == "dspark" else tdir)
+    (out / RELEASE_JSON).write_text(json.dumps({"source": source, "dir": where, "rule": release.rule,
+                                                "block": list(release.block), "drafter": drafter}, indent=2) + "\n")
     s = doc["summary"]
     return {"release": source, "rule": s["rule"], "block": "x".join(map(str, s["block"])), "tensors": s["tensors"],
             "fp8_tensors": s["fp8_tensors"], "kept_tensors": s["kept_tensors"], "cast_tensors": s["cast_tensors"],
@@ -90,7 +128,7 @@ STAGE = Stage(
     name="quantize_fp8",
     version="1",
     inputs=("prepare_target", "bootstrap_drafter", "train"),
-    sections=("quantize_fp8",),
+    sections=("quantize_fp8", "dspark"),
     run=run,
     description="FP8 drop-in of the fine-tuned drafter in the release's own format (rule, names, untouched bytes)",
 )

@@ -7,7 +7,9 @@ Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by def
 ``finetune`` half of the train split (see :mod:`drafter.training.loop`), checkpointing inside the stage's
 in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
 all else equal, for the released / KL / LK comparison.
-Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names), ``curves.png``,
+With ``dspark.enabled`` the same for a DSpark block draft (:func:`drafter.training.run.run_dspark_training`):
+from ``dspark.released`` or the bootstrap's draft, block loss over ``dspark.anchors`` anchors per window.
+Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names; DSpark: ``dspark/``), ``curves.png``,
 ``history.jsonl``, ``result.json``; ``ablations/<loss>/…`` likewise; ``table.md``.
 Reports: held-out τ at T=0 and T=1 of the released and the fine-tuned drafter (and of each
 ablation), α per position, tokens/s.
@@ -20,9 +22,10 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.errors import BadInputError
 from drafter.core.store import sha256_file
 from drafter.models import TRAINED_NAME
+from drafter.models.dspark import DSPARK_DIR
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
-from drafter.training.run import run_training, tau_metrics
+from drafter.training.run import run_dspark_training, run_training, tau_metrics
 
 
 def released_weights(bootstrap: Artifact) -> Path | None:
@@ -67,7 +70,45 @@ def acceptance_table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def released_draft(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path:
+    """The released DSpark draft folder: ``dspark.released`` when set, else the bootstrap's."""
+    if cfg.dspark.released:
+        path = Path(cfg.dspark.released).expanduser()
+        if not (path / "config.json").is_file():
+            raise BadInputError(f"dspark.released {path} has no config.json (a DSpark draft folder as vLLM loads it)")
+        return path
+    boot = inputs["bootstrap_drafter"]
+    if boot.status == "skipped":
+        raise BadInputError("a DSpark fine-tune needs the released draft: set dspark.released to its folder "
+                            "(the bootstrap only stands in for it on the embedded target)")
+    return boot.path / DSPARK_DIR
+
+
+def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    if cfg.baseline.weights is not None:
+        raise BadInputError("baseline.weights (a champion) is for MTP drafters; a DSpark release compares with "
+                            "dspark.released (or the bootstrap)")
+    model_dir = target_dir(inputs["prepare_target"])
+    c, d = cfg.train, cfg.dspark
+    weights = released_draft(cfg, inputs)
+    res = run_dspark_training(model_dir, inputs["capture"], c, d, out, weights=weights,
+                              title=f"DSpark fine-tune: {c.loss}, block {d.block_size}")
+    metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
+               "seconds": round(res["seconds"], 1), "loss": c.loss, "block_size": d.block_size}
+    rows = [("released", res["baseline"])]
+    for loss in cfg.ablation.losses:
+        ab = run_dspark_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), d,
+                                 out / "ablations" / loss, weights=weights, title=f"ablation: {loss}, block {d.block_size}")
+        metrics |= tau_metrics(ab, prefix=f"{loss}_")
+        rows.append((f"{loss} fine-tune", ab["final"]))
+    rows.append((f"{c.loss} fine-tune", res["final"]))
+    (out / "table.md").write_text(acceptance_table(rows))
+    return metrics
+
+
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    if cfg.dspark.enabled:
+        return _run_dspark(cfg, inputs, out)
     model_dir = target_dir(inputs["prepare_target"])
     weights = init_weights(cfg, inputs)
     c = cfg.train
@@ -91,7 +132,7 @@ STAGE = Stage(
     name="train",
     version="1",
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
-    sections=("train", "ablation", "baseline"),
+    sections=("train", "ablation", "baseline", "dspark"),
     run=run,
     description="Fine-tune the released drafter with acceptance-targeted (LK) losses, K-step unrolled",
 )

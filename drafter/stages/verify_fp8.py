@@ -152,7 +152,13 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if not doc["dropin"]["ok"]:
         (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
         raise StageError(f"FP8 drop-in {fp8_dir} failed its checks: " + "; ".join(doc["dropin"]["problems"][:10]))
-    doc["vllm_load"] = vllm_load(cfg, release, tdir, fp8_dir, out) if cfg.verify_fp8.vllm_load else "skipped"
+    dspark = json.loads((Path(qa.path) / "release.json").read_text()).get("drafter") == "dspark"
+    if not cfg.verify_fp8.vllm_load:
+        doc["vllm_load"] = "skipped"
+    elif dspark:  # the FP8 draft folder is served as method dspark, which vLLM 0.32 runs on GPUs only
+        doc["vllm_load"] = "not run: a DSpark draft is served as vLLM's method dspark (GPUs only; bench/dspark_gpu.sh)"
+    else:
+        doc["vllm_load"] = vllm_load(cfg, release, tdir, fp8_dir, out)
     (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "verify.md").write_text(render_md(doc))
     t = report.totals

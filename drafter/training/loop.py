@@ -125,9 +125,13 @@ def _load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
 
 def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_windows: list[Window],
           cfg: TrainConfig, workdir: Path, log: Callable[[str], None] = print,
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None, *, loss_fn: Callable[[Window], tuple] | None = None,
+          evaluate: Callable[[], dict] | None = None) -> dict:
     """Train ``drafter`` in place; returns the history and the held-out acceptance before and after.
 
+    ``loss_fn(window) → (loss, per-position stats)`` and ``evaluate() → {rule: {"tau", "alpha", …}}``
+    default to the MTP unroll (:func:`window_loss`, :func:`~drafter.evaluation.acceptance.acceptance`
+    over ``eval_windows``); a DSpark draft passes its block loss and block acceptance.
     ``stop_after``: stop (as if killed) after this many optimizer steps of this call — for tests.
     """
     workdir = Path(workdir)
@@ -142,6 +146,10 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     head_weight = head_weight.detach().float()
+    if loss_fn is None:
+        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights)  # noqa: E731
+    if evaluate is None:
+        evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps)  # noqa: E731
 
     start, history = 0, []
     latest = ckdir / "latest.pt"
@@ -152,7 +160,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     if baseline_path.is_file():
         baseline = json.loads(baseline_path.read_text())
     else:
-        baseline = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
+        baseline = evaluate()
         if rank == 0:
             baseline_path.write_text(json.dumps(baseline))
     log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
@@ -174,7 +182,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
             for i in range(per_step):
                 win = train_windows[window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)]
                 with autocast:
-                    loss, stats = window_loss(drafter, head_weight, win, cfg, weights)
+                    loss, stats = loss_fn(win)
                 (loss / per_step).backward()
                 step_loss += float(loss.detach()) / per_step
                 step_stats.append(stats)
@@ -185,15 +193,17 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec = {"step": step + 1, "loss": step_loss, "lr": lr_at(step, cfg), "grad_norm": gnorm}
-            for k in range(cfg.k_steps):
+            for k in range(max((len(s) for s in step_stats), default=0)):
                 vals = [s[k] for s in step_stats if len(s) > k]
                 for key in ("alpha", "lambda", "accuracy"):
                     xs = [v[key] for v in vals if key in v]
                     if xs:
                         rec[f"{key}_{k + 1}"] = sum(xs) / len(xs)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
-                ev = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
-                rec["eval"] = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items()}
+                ev = evaluate()
+                rec["eval"] = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items() if "tau" in v}
+                if "calibration" in ev:  # a DSpark draft's confidence head
+                    rec["eval"]["calibration"] = {"ece": ev["calibration"]["ece"]}
                 log(f"train: step {step + 1} loss {step_loss:.4f} held-out τ T=0 {ev['t0']['tau']:.3f} "
                     f"T=1 {ev['t1_greedy']['tau']:.3f} α(T=0) {[round(a, 3) for a in ev['t0']['alpha']]}")
             history.append(rec)
@@ -210,7 +220,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         count = torch.tensor([tokens], dtype=torch.int64)
         dist.all_reduce(count)
         tokens = int(count)
-    final = acceptance(drafter, head_weight, eval_windows, cfg.k_steps)
+    final = evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
             "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
             "resumed_from": start, "world_size": world}

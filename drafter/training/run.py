@@ -19,6 +19,7 @@ from drafter.core import procs
 from drafter.core.config import TrainConfig
 from drafter.core.files import write_json_atomic
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
+from drafter.models.dspark import DSPARK_DIR
 from drafter.models.target import read_tensor
 from drafter.core.errors import StageError
 from drafter.core.hardware import describe
@@ -47,17 +48,104 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     if rank != 0:
         return {}
     save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
+    return _finish(res, out, title, {"layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps,
+                                     "train_windows": len(train_w), "eval_windows": len(eval_w),
+                                     "weights_in": str(weights) if weights else None})
+
+
+def _finish(res: dict, out: Path, title: str, extra: dict) -> dict:
+    """The curves, ``history.jsonl`` and ``result.json`` (written last) of a finished training; the
+    checkpoints in ``out/work`` served their purpose and go."""
     plot_curves(res["history"], out / "curves.png", title)
     with open(out / ".history.jsonl.tmp", "w") as f:
         for h in res["history"]:
             f.write(json.dumps(h) + "\n")
     (out / ".history.jsonl.tmp").replace(out / "history.jsonl")
-    result = {k: v for k, v in res.items() if k != "history"} | {
-        "layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps, "train_windows": len(train_w),
-        "eval_windows": len(eval_w), "weights_in": str(weights) if weights else None, "hardware": describe()}
-    write_json_atomic(result_path, result)
-    shutil.rmtree(out / "work", ignore_errors=True)  # checkpoints served their purpose
+    result = {k: v for k, v in res.items() if k != "history"} | extra | {"hardware": describe()}
+    write_json_atomic(out / "result.json", result)
+    shutil.rmtree(out / "work", ignore_errors=True)
     return result
+
+
+def target_embedding(model_dir: Path) -> torch.nn.Embedding:
+    """The target's token embedding, frozen (a DSpark draft shares it, as vLLM serves it)."""
+    w = read_tensor(model_dir, "model.embed_tokens.weight", torch.float32)
+    return torch.nn.Embedding.from_pretrained(w, freeze=True)
+
+
+def dspark_evaluate(draft, embed, head: torch.Tensor, windows) -> dict:
+    """Held-out block acceptance under the three rules (JSON values) and, with a confidence head, its
+    calibration (``calibration.ece``, the reliability bins)."""
+    from drafter.evaluation.acceptance import block_acceptance
+    from drafter.evaluation.calibration import reliability
+
+    res = block_acceptance(draft, embed, head, windows)
+    conf = res.pop("confidence", None)
+    if conf is not None:
+        res["calibration"] = reliability(conf["confidence"], conf["accepted"])
+    return res
+
+
+def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out: Path, *,
+                        weights: Path | None = None, title: str = "DSpark training", log=print) -> dict:
+    """:func:`run_training` for a DSpark block draft (``dspark`` is the config's
+    :class:`~drafter.core.config.DSparkSection`): start from the draft folder ``weights`` (a release,
+    the bootstrap's output) or, without it, from a seeded random draft shaped like the target; train
+    with :func:`drafter.training.dspark.block_loss` on the captured target layers; write the draft
+    folder vLLM loads (``dspark/config.json`` + ``dspark/model.safetensors``), ``curves.png``,
+    ``history.jsonl``, ``result.json`` (held-out block acceptance and ECE before and after)."""
+    from transformers import AutoConfig
+
+    from drafter.models.dspark import DSparkConfig, DSparkDraft, capture_layers, load_dspark, save_dspark
+    from drafter.training.dspark import block_loss
+
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "result.json"
+    if result_path.is_file() and (out / DSPARK_DIR / "model.safetensors").is_file():
+        return json.loads(result_path.read_text())
+    if cfg.nproc_per_node > 1:
+        raise StageError("DSpark training runs on one process here (train.nproc_per_node must be 1)")
+    if weights is not None:
+        try:
+            draft = load_dspark(weights)
+        except (OSError, ValueError) as e:
+            raise StageError(f"the released DSpark draft {weights}: {e}") from e
+        if draft.cfg.block_size != dspark.block_size or list(draft.cfg.target_layer_ids) != list(dspark.target_layer_ids):
+            raise StageError(f"the released DSpark draft {weights} has block_size {draft.cfg.block_size} and "
+                             f"target_layer_ids {draft.cfg.target_layer_ids}; the config asks for "
+                             f"dspark.block_size {dspark.block_size}, dspark.target_layer_ids {dspark.target_layer_ids}")
+    else:
+        tcfg = AutoConfig.from_pretrained(str(model_dir))
+        n_layers = tcfg.num_hidden_layers
+        bad = [i for i in dspark.target_layer_ids if i >= n_layers]
+        if bad:
+            raise StageError(f"dspark.target_layer_ids {bad} do not exist: the target has {n_layers} decoder layers "
+                             f"(0..{n_layers - 1})")
+        torch.manual_seed(dspark.init_seed)
+        draft = DSparkDraft(DSparkConfig.for_target(
+            tcfg, target_layer_ids=dspark.target_layer_ids, block_size=dspark.block_size,
+            markov_rank=dspark.markov_rank, num_hidden_layers=dspark.num_hidden_layers,
+            enable_confidence_head=dspark.confidence_head))
+        torch.nn.init.zeros_(draft.markov_head.markov_w2.weight)  # the Markov bias starts at zero: no random logit noise
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    embed = target_embedding(model_dir)
+    layers = capture_layers(draft.cfg)
+    K = draft.cfg.block_size
+    train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=K + 2, feature_layers=layers)
+    eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=K + 2, max_windows=cfg.eval_windows,
+                          feature_layers=layers)
+    if not train_w:
+        raise StageError(f"capture {getattr(capture, 'path', capture)}: no {cfg.data_part} windows of at least {K + 2} tokens")
+    # anchors from torch's global generator: seeded by train(), kept in its checkpoints, so a resumed
+    # run draws the anchors an uninterrupted one would
+    res = train(draft, head, train_w, eval_w, cfg, out / "work", log=log,
+                loss_fn=lambda win: block_loss(draft, embed, head, win, cfg, anchors=dspark.anchors,
+                                               confidence_w=dspark.confidence_w if dspark.confidence_head else 0.0),
+                evaluate=lambda: dspark_evaluate(draft, embed, head, eval_w))
+    save_dspark(draft, out / DSPARK_DIR, dtype=getattr(torch, cfg.save_dtype))
+    return _finish(res, out, title, {"layout": "dspark", "loss": cfg.loss, "block_size": K, "anchors": dspark.anchors,
+                                     "train_windows": len(train_w), "eval_windows": len(eval_w),
+                                     "weights_in": str(weights) if weights else None})
 
 
 def tau_metrics(result: dict, prefix: str = "") -> dict:
@@ -69,6 +157,10 @@ def tau_metrics(result: dict, prefix: str = "") -> dict:
         m[f"{prefix}tau_{name}_after"] = round(f[rule]["tau"], 4)
         m[f"{prefix}tau_{name}_ratio"] = round(f[rule]["tau"] / b[rule]["tau"], 4)
     m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f["t0"]["alpha"]]
+    if "calibration" in f:  # a DSpark draft's confidence head: expected calibration error, held-out
+        for when, r in (("before", b), ("after", f)):
+            ece = (r.get("calibration") or {}).get("ece")  # None: no held-out position to calibrate on
+            m[f"{prefix}ece_{when}"] = None if ece is None else round(ece, 4)
     return m
 
 
