@@ -222,3 +222,21 @@ def test_the_release_folder_and_its_dspark_card(dspark_store, tmp_path):
     assert "exllamav3 has no DSpark architecture" in section(md, "### EXL3 (`exl3/`)")
     rel = json.loads((out / "release.json").read_text())
     assert rel["kind"] == "dspark" and rel["release_id"] == res["release_id"]
+
+
+def test_the_gpu_bench_says_what_it_needs(tmp_path):
+    """bench/dspark_gpu.sh runs only where vLLM serves DSpark: here it stops at the boundary, naming it."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "dspark_gpu.sh"
+    env = {k: v for k, v in os.environ.items() if k != "DRAFTER_SERVE_PYTHON"} | {"PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "no NVIDIA GPU here (nvidia-smi): vLLM serves DSpark on GPUs only" in r.stderr
+    serve = os.environ.get("DRAFTER_SERVE_PYTHON")
+    if serve:  # a GPU the machine does not have: the serving env's torch sees no CUDA device
+        (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stand-in'\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+        r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                           env=env | {"PATH": f"{tmp_path}:/usr/bin:/bin", "DRAFTER_SERVE_PYTHON": serve})
+        assert r.returncode == 2 and "sees no CUDA device" in r.stderr and "has no CUDA vLLM with DSpark" in r.stderr

@@ -117,8 +117,9 @@ def block_forward(draft, embed: torch.nn.Module, head_weight: torch.Tensor, win:
     out = draft(win.input_ids[None], win.features[None], anchors[None], embed=embed, lm_head=_head(head_weight),
                 anchor_mask=mask, label_mask=win.loss_mask[None], start=win.start)
     rows = (anchors[:, None] + torch.arange(K)).clamp(max=T - 1)
-    with torch.no_grad():
-        p_logits = target_logits(win.hidden[rows.flatten()], head_weight).view(*rows.shape, -1)
+    with torch.no_grad():  # blocks overlap: the target's logits once per distinct position
+        uniq, inv = torch.unique(rows.flatten(), return_inverse=True)
+        p_logits = target_logits(win.hidden[uniq], head_weight)[inv].view(*rows.shape, -1)
     return out, p_logits
 
 

@@ -163,5 +163,6 @@ def release_report(summary: dict) -> str:
     parts += _quant_lines(st)
     gate = _json(st.get("gate"), "gate.json")
     if gate:
-        parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if gate.get("forced") else "") + "\n")
+        forced = gate.get("forced") and gate.get("verdict") != "forced"
+        parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if forced else "") + "\n")
     return "\n".join(parts)

@@ -231,7 +231,8 @@ class MarkovHead(nn.Module):
         return self.markov_w1(token_ids)
 
     def bias(self, markov_embed: Tensor, scale: float = 1.0) -> Tensor:
-        return self.markov_w2(markov_embed) * scale
+        b = self.markov_w2(markov_embed)
+        return b if scale == 1.0 else b * scale
 
 
 class ConfidenceHead(nn.Module):
@@ -374,8 +375,10 @@ class DSparkDraft(nn.Module):
         hidden = self.norm(h).view(B, M, K, cfg.hidden_size)
 
         s = cfg.logit_scale
-        base = lm_head(hidden) * s
+        base = lm_head(hidden)
         m_embed = self.markov_head.embed(prev)
+        if s != 1.0:  # (a scale of 1, the default, would cost two full [.., V] passes for nothing)
+            base = base * s
         logits = base + self.markov_head.bias(m_embed, s)
         conf = self.confidence_head(hidden, m_embed) if self.confidence_head is not None else None
         return DSparkOutput(logits=logits, base_logits=base, confidence_logits=conf, hidden=hidden,

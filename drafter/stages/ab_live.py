@@ -72,7 +72,8 @@ def dspark_refusal(log_text: str) -> str | None:
     for line in log_text.splitlines():
         text = re.sub(r"^.*?\] ", "", line).strip()
         if any(re.search(p, text, re.I) for p in DSPARK_REFUSALS):
-            return text.split("Error: ", 1)[-1][:300]
+            text = text.split("Error: ", 1)[-1].split(" [type=", 1)[0]  # pydantic's wrapper: the message alone
+            return re.sub(r"^Value error, ", "", text)[:300]
     return None
 
 

@@ -34,13 +34,16 @@ def block_loss(draft: DSparkDraft, embed: torch.nn.Module, head_weight: torch.Te
     out, p_logits = block_forward(draft, embed, head_weight, win, a[0], ok[0])
     valid = out.valid[0]
     weights = L.position_weights(draft.cfg.block_size, cfg.gamma)
+    # one [M, V] view per block position (unbind: its backward writes the logits' gradient once, where
+    # indexing [:, j] would allocate and fill a whole [M, K, V] gradient per position)
+    q_by_pos = out.logits[0].unbind(1)
     total, wsum, stats = 0.0, 0.0, []
     for j in range(draft.cfg.block_size):
         sel = valid[:, j]
         if not bool(sel.any()):
             stats.append({})
             continue
-        q, p, tokens = out.logits[0, sel, j], p_logits[sel, j], out.labels[0, sel, j]
+        q, p, tokens = q_by_pos[j][sel], p_logits[sel, j], out.labels[0, sel, j]
         loss_j, st = L.position_loss(cfg, q, p, tokens)
         if out.confidence_logits is not None and confidence_w > 0:
             accepted = (q.detach().argmax(-1) == p.argmax(-1)).float()

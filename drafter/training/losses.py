@@ -96,11 +96,16 @@ def ce(draft_logits: Tensor, tokens: Tensor, mask: Tensor | None = None):
 
 def ce_l1(draft_logits: Tensor, target_logits: Tensor, tokens: Tensor, mask: Tensor | None = None,
           ce_w: float = 0.1, l1_w: float = 0.9, temperature: float = 1.0):
-    ce_loss, ce_stats = ce(draft_logits, tokens, mask)
+    if tokens.shape != draft_logits.shape[:-1]:
+        raise ValueError(f"tokens {tuple(tokens.shape)} do not match draft logits {tuple(draft_logits.shape)}")
     logp, logq = _probs(draft_logits, target_logits, temperature)
+    # CE on the data tokens from the same log-softmax (at temperature 1 it is ce()'s; one pass, not two)
+    logq_ce = logq if temperature == 1.0 else F.log_softmax(draft_logits.float(), dim=-1)
+    ce_loss = _masked_mean(-logq_ce.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1), mask)
+    acc = (logq_ce.detach().argmax(-1) == tokens).float()
     l1 = (logp.exp() - logq.exp()).abs().sum(-1)
     loss = ce_w * ce_loss + l1_w * _masked_mean(l1, mask)
-    return loss, {"alpha": _masked_mean((1 - 0.5 * l1).detach(), mask).item(), **ce_stats}
+    return loss, {"alpha": _masked_mean((1 - 0.5 * l1).detach(), mask).item(), "accuracy": _masked_mean(acc, mask).item()}
 
 
 def position_weights(k: int, gamma: float = 4.0) -> Tensor:
