@@ -242,6 +242,23 @@ def test_bad_checkpoints_and_configs_name_what_is_wrong(tmp_path):
     save_file(tensors, str(w))
     with pytest.raises(ValueError, match="missing DSpark tensor.*fc.weight"):
         load_dspark(tmp_path / "draft")
+    good = {k: v.clone() for k, v in load_file(str(tmp_path / "draft" / "model.safetensors")).items()}
+    good["fc.weight"] = d.fc.weight.detach().clone()
+    for name, change, want in (
+            ("markov_head.markov_w1.weight", None, r"missing DSpark tensor\(s\) markov_head.markov_w1.weight"),
+            ("markov_head.markov_w2.weight", lambda t: t[:, :4].contiguous(),  # rank 4, the config says 8
+             r"tensor 'markov_head.markov_w2.weight' has shape \(96, 4\), the config .* implies \(96, 8\)"),
+            ("layers.0.self_attn.q_proj.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("nan")),
+             r"tensor 'layers.0.self_attn.q_proj.weight' has non-finite values")):
+        bad = dict(good)
+        if change is None:
+            del bad[name]
+        else:
+            bad[name] = change(bad[name])
+        save_file(bad, str(w))
+        with pytest.raises(ValueError, match=want):
+            load_dspark(tmp_path / "draft")
+    save_file(good, str(w))
     c = tmp_path / "draft" / "config.json"
     data = json.loads(c.read_text())
     del data["markov_rank"]

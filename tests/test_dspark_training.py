@@ -148,3 +148,42 @@ def test_block_training_killed_and_resumed_reaches_the_same_weights(tmp_path):
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert not torch.equal(whole["fc.weight"], _draft().state_dict()["fc.weight"])  # it trained
+
+
+def test_block_loss_equals_the_direct_formula():
+    """block_loss = Σ_j w_j·L_j / Σ_j w_j, w_j = exp(−j/γ), L_j = mean over the valid anchors of
+    0.1·CE + 0.9·‖p − q‖₁ + 0.1·BCE(confidence, argmax q = argmax p), written out by hand in float64."""
+    import math
+
+    from drafter.models.dspark import sample_anchors
+
+    embed, head, wins = _world()
+    d = _draft()
+    w = wins[0]
+    cfg = TrainConfig(loss="ce_l1", gamma=4.0, ce_w=0.1, l1_w=0.9)
+    loss, _ = block_loss(d, embed, head, w, cfg, anchors=6, confidence_w=0.1, generator=torch.Generator().manual_seed(5))
+    a, ok = sample_anchors(torch.tensor([len(w.input_ids)]), w.loss_mask[None], 6, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out, p_logits = block_forward(d, embed, head, w, a[0], ok[0])
+    num = den = 0.0
+    for j in range(K):
+        terms = []
+        for m in range(a.shape[1]):
+            if not bool(out.valid[0, m, j]):
+                continue
+            q = out.logits[0, m, j].double()
+            p = p_logits[m, j].double()
+            y = int(out.labels[0, m, j])
+            assert y == int(w.input_ids[int(a[0, m]) + 1 + j])  # position j of anchor p predicts x[p+1+j]
+            lq, lp = torch.log_softmax(q, -1), torch.log_softmax(p, -1)
+            ce = -float(lq[y])
+            l1 = float((lp.exp() - lq.exp()).abs().sum())
+            hit = float(q.argmax() == p.argmax())
+            c = float(out.confidence_logits[0, m, j])
+            bce = -(hit * math.log(1 / (1 + math.exp(-c))) + (1 - hit) * math.log(1 - 1 / (1 + math.exp(-c))))
+            terms.append((0.1 * ce + 0.9 * l1, bce))
+        if terms:
+            wj = math.exp(-j / 4.0)
+            num += wj * (sum(t[0] for t in terms) / len(terms) + 0.1 * sum(t[1] for t in terms) / len(terms))
+            den += wj
+    assert float(loss) == pytest.approx(num / den, rel=1e-5)  # float32 logits against float64 arithmetic

@@ -488,6 +488,8 @@ def load_dspark(path: Path) -> DSparkDraft:
                 if tuple(t.shape) != tuple(expected[name].shape):
                     raise ValueError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, the config "
                                      f"({cfg_file}) implies {tuple(expected[name].shape)}")
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{f}: tensor {name!r} has non-finite values (NaN or inf)")
                 got[name] = t
     missing = sorted(set(expected) - set(got))
     if missing:
