@@ -390,8 +390,13 @@ def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(serv
         assert f"| champion `{d3['champion']['release_id']}` |" in art["data"] and "| candidate |" in art["data"]
         print(f"retrain 3 (champion kept): {time.monotonic() - t0:.0f} s; offline τ champion "
               f"{d3['champion']['tau_offline']:.3f}, candidate {d3['candidate']['tau_offline']:.3f}")
-        events = httpx.post(api + "/events/filter", timeout=30, json={
-            "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
+        deadline = time.monotonic() + 120  # the server stores events in batches: on busy cores a few seconds late
+        while True:
+            events = httpx.post(api + "/events/filter", timeout=30, json={
+                "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
+            if events or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert len(events) == 1, events
         payload = events[0]["payload"]
         assert payload["champion"]["release_id"] == d3["champion"]["release_id"]
