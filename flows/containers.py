@@ -89,14 +89,26 @@ def _describe(run: FlowRun, deployment: str) -> str:
 
 
 def _cancel(run_id: UUID, why: str) -> None:
-    """Cancel a child flow run: one not started yet at once, a running one through its worker (which
-    stops the container: Cancelling → Cancelled)."""
+    """Cancel a child flow run. One not started yet (SCHEDULED, or PENDING while its worker creates the
+    container) is set Cancelled at once — a container that still starts afterwards refuses to run
+    (flows.stages.cancelled_before_start). A running one goes through its worker and engine, which
+    stop the container: Cancelling → Cancelled. If the run started between reading its state and
+    setting Cancelled, its engine would run on under a Cancelled state: it is then sent Cancelling."""
     with get_client(sync_client=True, httpx_settings={"timeout": 10.0}) as client:
         state = client.read_flow_run(run_id).state
         if state is not None and state.is_final():
             return
         started = state is not None and state.type not in (StateType.SCHEDULED, StateType.PENDING)
-        client.set_flow_run_state(run_id, Cancelling(message=why) if started else Cancelled(message=why), force=True)
+        if started:
+            client.set_flow_run_state(run_id, Cancelling(message=why), force=True)
+            return
+        done = client.set_flow_run_state(run_id, Cancelled(message=why), force=True).state
+        if state is None or done is None:
+            return
+        began = [st for st in client.read_flow_run_states(run_id)
+                 if st.type is StateType.RUNNING and state.timestamp < st.timestamp < done.timestamp]
+        if began:
+            client.set_flow_run_state(run_id, Cancelling(message=why), force=True)
 
 
 def _wait(run: FlowRun, what: str, name: str, deadline: float, cfg: ReleaseConfig, stopped: str) -> FlowRun:

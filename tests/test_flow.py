@@ -163,3 +163,83 @@ def test_resolve_config_the_form_wins_over_a_default_path_and_overrides_apply_to
     assert (c.name, c.generate.num_prompts, c.serving.env_values()) == ("x", 16, {"K": "v"})
     assert resolve_config(None, str(p), None, ["generate.num_prompts=16"]).generate.num_prompts == 16
     assert resolve_config(None, None, None, None) == ReleaseConfig()
+
+
+def _run_after(fl, *states):
+    """Run flow ``fl`` as a flow run that went through ``states`` first (as a worker and the release
+    waiting for it would have set them), the way `prefect flow-run execute` in its container does."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+
+    with get_client(sync_client=True) as c:
+        fr = c.create_flow_run(fl, parameters={}, state=states[0])
+        for st in states[1:]:
+            c.set_flow_run_state(fr.id, st, force=True)
+        fr = c.read_flow_run(fr.id)
+    return run_flow(fl, flow_run=fr, return_type="state")
+
+
+def test_a_stage_flow_cancelled_while_pending_does_not_run_when_its_container_starts_late(prefect_harness):
+    """The race of a fresh-clone CI run: the release's runner.timeout_s passed while the worker was
+    still creating the container; the release cancelled the PENDING run; the container started
+    seconds later and, as the server lets CANCELLED go to RUNNING, trained and published the stage."""
+    from prefect import flow
+    from prefect.states import Cancelled, Cancelling, Pending, Scheduled
+    from flows.stages import STAGE_FLOWS, cancelled_before_start
+
+    why = "runner.timeout_s=6 s passed"
+    state = _run_after(STAGE_FLOWS["train"], Pending(), Cancelled(message=why))
+    assert state.is_cancelled() and why in state.message and "before it started" in state.message, state
+    # a run still CANCELLING is not started by the engine at all (the worker finishes the cancellation)
+    state = _run_after(STAGE_FLOWS["capture"], Pending(), Cancelling(message=why))
+    assert state.type.value == "CANCELLING", state
+
+    @flow
+    def probe():
+        return cancelled_before_start()
+
+    assert _run_after(probe, Pending()).result() is None  # the usual path
+    # retried on purpose after a cancellation: through SCHEDULED and PENDING again, not refused
+    assert _run_after(probe, Pending(), Cancelled(), Scheduled(), Pending()).result() is None
+    assert "CANCELLED before it started" in _run_after(probe, Pending(), Cancelled(message=why)).result()
+    assert probe.fn() is None  # outside a flow run: nothing to check
+
+
+def test_cancelling_a_child_that_starts_meanwhile_still_stops_it(prefect_harness, monkeypatch):
+    """flows.containers._cancel: a run no worker started is set Cancelled; a running one Cancelling
+    (its worker stops the container); a run read as PENDING that went RUNNING before the Cancelled
+    landed (its engine would run on under that state) is sent Cancelling after all."""
+    from prefect import flow
+    from prefect.client.orchestration import SyncPrefectClient, get_client
+    from prefect.states import Pending, Running
+    from flows.containers import _cancel
+
+    @flow
+    def child():
+        return 1
+
+    def make(*states):
+        with get_client(sync_client=True) as c:
+            fr = c.create_flow_run(child, state=states[0])
+            for st in states[1:]:
+                c.set_flow_run_state(fr.id, st, force=True)
+            return fr.id
+
+    def history(run_id):
+        with get_client(sync_client=True) as c:
+            return [st.type.value for st in sorted(c.read_flow_run_states(run_id), key=lambda st: st.timestamp)]
+
+    pending = make(Pending())
+    _cancel(pending, "timed out")
+    assert history(pending) == ["PENDING", "CANCELLED"]
+    running = make(Pending(), Running())
+    _cancel(running, "timed out")
+    assert history(running) == ["PENDING", "RUNNING", "CANCELLING"]
+
+    raced = make(Pending())
+    with get_client(sync_client=True) as c:
+        stale = c.read_flow_run(raced)  # what _cancel reads ...
+        c.set_flow_run_state(raced, Running(), force=True)  # ... just before the container's engine starts
+    monkeypatch.setattr(SyncPrefectClient, "read_flow_run", lambda self, run_id: stale)
+    _cancel(raced, "timed out")
+    assert history(raced) == ["PENDING", "RUNNING", "CANCELLED", "CANCELLING"]
