@@ -142,7 +142,7 @@ def main(kind: str | None = None) -> dict | None:
         g = torch.Generator().manual_seed(0)
         wins = [Window(f"r{i}", 0, torch.randint(0, V, (args.window,), generator=g), torch.ones(args.window, dtype=torch.bool),
                        torch.randn(args.window, H, generator=g)) for i in range(16)]
-        source = "random windows on the tiny target"
+        source = "random windows (no captured features in the store: their values do not change a step's cost)"
     if kind == "dspark":
         return dspark_step(args, target, wins, head)
     cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)

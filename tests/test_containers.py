@@ -26,12 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from drafter.core import procs
-from tests.helpers.prefect_server import PREFECT, ROOT, deployments, resolve_job_configuration
+from tests.helpers.prefect_server import PREFECT, ROOT, deployments, prefect_api, resolve_job_configuration
 
 DRAFTER = str(Path(sys.executable).parent / "drafter")
 PODMAN = shutil.which("podman")
@@ -109,7 +108,7 @@ def release(server: dict, cfg: Path, *extra: str, env: dict | None = None, timeo
 
 
 def flow_runs(api: str, **flt) -> list[dict]:
-    return httpx.post(api + "/flow_runs/filter", json=flt, timeout=30).json()
+    return prefect_api.post(api + "/flow_runs/filter", json=flt, timeout=30).json()
 
 
 def save_secret(server: dict, name: str, value: str) -> None:
@@ -216,7 +215,7 @@ def _child(api: str, flow: str, states: tuple[str, ...], exclude: set[str] = fro
 def _final_state(api: str, run_id: str, within: float = 120) -> str:
     deadline = time.monotonic() + within
     while True:
-        state = httpx.get(api + f"/flow_runs/{run_id}", timeout=30).json()["state"]["type"]
+        state = prefect_api.get(api + f"/flow_runs/{run_id}", timeout=30).json()["state"]["type"]
         if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") or time.monotonic() > deadline:
             return state
         time.sleep(1)

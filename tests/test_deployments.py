@@ -14,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from drafter.core import procs
 
-from tests.helpers.prefect_server import PREFECT, ROOT, deployments, resolve_job_configuration, run_worker_once
+from tests.helpers.prefect_server import PREFECT, ROOT, deployments, prefect_api, resolve_job_configuration, run_worker_once
 
 STAGE_FLOWS = ("prepare-target", "generate", "scrub", "capture", "bootstrap-drafter", "train", "eval-offline",
                "quantize-fp8", "verify-fp8", "ab-live", "gate", "publish")
@@ -41,7 +40,7 @@ def test_deploy_all_registers_every_deployment_with_the_config_form_and_the_sche
         assert d["job_variables"]["image"] == ("drafter-release:serving" if serving else "drafter-release:project"), s
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}], s
         assert d["work_pool_name"] == "docker"
-    pools = {p["name"]: p for p in httpx.post(api + "/work_pools/filter", json={}, timeout=30).json()}
+    pools = {p["name"]: p for p in prefect_api.post(api + "/work_pools/filter", json={}, timeout=30).json()}
     assert {"process", "docker", "kubernetes"} <= set(pools)
     k8s = pools["kubernetes"]["base_job_template"]
     assert k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["resources"][
@@ -64,12 +63,12 @@ def test_deploy_all_registers_every_deployment_with_the_config_form_and_the_sche
     assert manual["enforce_parameter_schema"] is True
 
     # a bad value is refused by the server, naming the field
-    r = httpx.post(api + f"/deployments/{manual['id']}/create_flow_run",
+    r = prefect_api.post(api + f"/deployments/{manual['id']}/create_flow_run",
                    json={"parameters": {"config": {"train": {"lr": -1}}}}, timeout=30)
     assert r.status_code == 409 and "config.train.lr" in r.text, r.text
 
     # the nightly retrain: its cron schedule and timezone
-    (sched,) = httpx.get(api + f"/deployments/{deps['retrain/nightly']['id']}/schedules", timeout=30).json()
+    (sched,) = prefect_api.get(api + f"/deployments/{deps['retrain/nightly']['id']}/schedules", timeout=30).json()
     assert sched["active"] and sched["schedule"]["cron"] == "0 3 * * *" and sched["schedule"]["timezone"] == "Europe/Berlin"
 
 
@@ -88,11 +87,11 @@ def test_deployment_run_executed_by_a_process_worker_completes(server, tiny_targ
     t0 = time.monotonic()
     run_worker_once(env, tmp_path)
     print(f"worker run: {time.monotonic() - t0:.1f} s")
-    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+    (fr,) = [r for r in prefect_api.post(api + "/flow_runs/filter", json={}, timeout=30).json()
              if r["parameters"].get("config", {}).get("name") == "tiny-deployed"]
     assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
     assert fr["parameters"]["stages"] == ["scrub"]
-    arts = httpx.post(api + "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [fr["id"]]}}},
+    arts = prefect_api.post(api + "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [fr["id"]]}}},
                       timeout=30).json()
     keys = {a["key"] for a in arts}
     assert {"prepare-target-metrics", "generate-metrics", "scrub-metrics", "release-summary"} <= keys, keys
@@ -202,7 +201,7 @@ def test_ui_run_form_in_a_real_browser_starts_a_run_the_worker_completes(server,
            "prepare_target": {"source": "path", "path": str(tiny_target)},
            "serving": {"backend": "transformers", "dtype": "float32"},
            "generate": {"num_prompts": 24, "max_tokens": 12, "shard_size": 8, "concurrency": 2}, "retries": 0}
-    r = httpx.patch(api + f"/deployments/{dep['id']}", json={"parameters": {"config": cfg, "stages": ["scrub"]}},
+    r = prefect_api.patch(api + f"/deployments/{dep['id']}", json={"parameters": {"config": cfg, "stages": ["scrub"]}},
                     timeout=30)
     assert r.status_code == 204, r.text
     shot = tmp_path / "release-manual-run-form.png"
@@ -226,11 +225,11 @@ def test_ui_run_form_in_a_real_browser_starts_a_run_the_worker_completes(server,
         finally:
             browser.close()
     print(f"\nscreenshot of the run form: {shot}")
-    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+    (fr,) = [r for r in prefect_api.post(api + "/flow_runs/filter", json={}, timeout=30).json()
              if r["parameters"].get("config", {}).get("name") == "tiny-ui"]
     assert fr["parameters"]["config"]["generate"]["num_prompts"] == 16 and fr["parameters"]["stages"] == ["scrub"]
     run_worker_once(env, tmp_path)
-    fr = httpx.get(api + f"/flow_runs/{fr['id']}", timeout=30).json()
+    fr = prefect_api.get(api + f"/flow_runs/{fr['id']}", timeout=30).json()
     assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
     (gen,) = (tmp_path / "store" / "generate").glob("*/manifest.json")
     assert json.loads(gen.read_text())["config"]["generate"]["num_prompts"] == 16
@@ -259,14 +258,14 @@ def test_nightly_run_scheduled_now_retrains_on_new_traffic_only(server, tiny_tar
 
     def run_scheduled_now() -> dict:
         now = datetime.now(timezone.utc).isoformat()
-        r = httpx.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
+        r = prefect_api.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
             "parameters": {"config": cfg, "traffic": [str(traffic / "*.jsonl")]},
             "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
         assert r.status_code == 201, r.text
         run_worker_once(env, tmp_path)
-        fr = httpx.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
+        fr = prefect_api.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
         assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-        (art,) = httpx.post(api + "/artifacts/filter", timeout=30, json={
+        (art,) = prefect_api.post(api + "/artifacts/filter", timeout=30, json={
             "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
         return art
 
@@ -337,14 +336,14 @@ def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(serv
 
         def run_scheduled_now(overrides: list[str]) -> tuple[dict, dict]:
             now = datetime.now(timezone.utc).isoformat()
-            r = httpx.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
+            r = prefect_api.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
                 "parameters": {"config": cfg, "traffic": [str(traffic / "*.jsonl")], "overrides": overrides},
                 "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
             assert r.status_code == 201, r.text
             run_worker_once(env, tmp_path)
-            fr = httpx.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
+            fr = prefect_api.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
             assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
-            (art,) = httpx.post(api + "/artifacts/filter", timeout=30, json={
+            (art,) = prefect_api.post(api + "/artifacts/filter", timeout=30, json={
                 "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
             return fr, art
 
@@ -392,7 +391,7 @@ def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(serv
               f"{d3['champion']['tau_offline']:.3f}, candidate {d3['candidate']['tau_offline']:.3f}")
         deadline = time.monotonic() + 120  # the server stores events in batches: on busy cores a few seconds late
         while True:
-            events = httpx.post(api + "/events/filter", timeout=30, json={
+            events = prefect_api.post(api + "/events/filter", timeout=30, json={
                 "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
             if events or time.monotonic() > deadline:
                 break
@@ -483,7 +482,7 @@ def test_a_worker_killed_mid_stage_then_a_rerun_finishes_from_the_store(server, 
     t0 = time.monotonic()
     run_worker_once(env, tmp_path)
     print(f"rerun: {time.monotonic() - t0:.1f} s")
-    runs = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+    runs = [r for r in prefect_api.post(api + "/flow_runs/filter", json={}, timeout=30).json()
             if r["parameters"].get("config", {}).get("name") == "killed-worker"]
     assert sorted(r["state"]["type"] for r in runs) == ["COMPLETED", "RUNNING"], \
         [(r["name"], r["state"]["type"]) for r in runs]  # the killed run never reported back
@@ -514,7 +513,7 @@ def test_the_kubernetes_pool_turns_a_gpu_run_into_the_job_its_worker_would_submi
     run = subprocess.run([PREFECT, "deployment", "run", "stage-train/gpu", "--job-variable", "gpus=2"],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    (fr,) = [r for r in httpx.post(api + "/flow_runs/filter", json={}, timeout=30).json()
+    (fr,) = [r for r in prefect_api.post(api + "/flow_runs/filter", json={}, timeout=30).json()
              if r["deployment_id"] == deployments(api)["stage-train/gpu"]["id"]]
 
     cfg = resolve_job_configuration(api, fr["id"], "kubernetes", KubernetesWorkerJobConfiguration)

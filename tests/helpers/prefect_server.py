@@ -73,10 +73,43 @@ def run_worker_once(env: dict, cwd: Path) -> None:
             procs.stop(worker)
 
 
+class RetryingAPI:
+    """Calls to the Prefect REST API that retry what the server marks as retryable — 429, 502, 503 (its
+    answer when, say, SQLite is busy on loaded cores) — with backoff, as Prefect's own client does; one
+    such 503 on `create_flow_run` failed a fresh-clone CI run."""
+
+    RETRY = (429, 502, 503)
+
+    def request(self, method: str, url: str, attempts: int = 8, **kw) -> httpx.Response:
+        delay = 0.5
+        for attempt in range(attempts):
+            r = httpx.request(method, url, **kw)
+            if r.status_code not in self.RETRY or attempt == attempts - 1:
+                return r
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+        raise AssertionError("unreachable")
+
+    def get(self, url: str, **kw) -> httpx.Response:
+        return self.request("GET", url, **kw)
+
+    def post(self, url: str, **kw) -> httpx.Response:
+        return self.request("POST", url, **kw)
+
+    def patch(self, url: str, **kw) -> httpx.Response:
+        return self.request("PATCH", url, **kw)
+
+    def delete(self, url: str, **kw) -> httpx.Response:
+        return self.request("DELETE", url, **kw)
+
+
+prefect_api = RetryingAPI()
+
+
 def deployments(api: str) -> dict[str, dict]:
-    flows = {f["id"]: f["name"] for f in httpx.post(api + "/flows/filter", json={}, timeout=30).json()}
+    flows = {f["id"]: f["name"] for f in prefect_api.post(api + "/flows/filter", json={}, timeout=30).json()}
     return {f"{flows[d['flow_id']]}/{d['name']}": d
-            for d in httpx.post(api + "/deployments/filter", json={}, timeout=30).json()}
+            for d in prefect_api.post(api + "/deployments/filter", json={}, timeout=30).json()}
 
 
 
