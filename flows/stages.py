@@ -37,7 +37,7 @@ def cancelled_before_start() -> str | None:
     prev = next((a for a, b in zip(reversed(history[:-1]), reversed(history[1:])) if b.type is StateType.RUNNING),
                 None)
     if prev is not None and prev.type is StateType.CANCELLED:
-        return (f"flow run {this_run.name!r} ({run_id}) was {prev.type.value} before it started "
+        return (f"flow run {this_run.name!r} ({run_id}) was CANCELLED before it started "
                 f"({(prev.message or 'no message').strip()}); it is not run")
     return None
 

@@ -288,11 +288,11 @@ def test_a_child_killed_cancelled_or_timed_out_or_a_stopped_parent_end_the_relea
     assert proc.returncode != 0 and "did not finish within runner.timeout_s=6 s" in out, out[-3000:]
     (child_id,) = set(re.findall(r"flow run '[\w-]+' \(([0-9a-f-]{36})\) of deployment stage-train/docker did not finish",
                                  out))
+    # the timeout may come while the worker still creates the container: one that starts after its run
+    # was cancelled must not train (it did once, and published train before the next release began)
     earlier.add(child_id)
     outcomes["timeout"] = _final_state(api, child_id)
     assert stopped(child_id)  # nothing left running
-    # the timeout may come while the worker still creates the container: one that starts after its run
-    # was cancelled must not train (it did once, and published train before the next release began)
 
     # 2. the container killed
     proc = start()

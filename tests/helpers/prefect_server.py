@@ -73,37 +73,16 @@ def run_worker_once(env: dict, cwd: Path) -> None:
             procs.stop(worker)
 
 
-class RetryingAPI:
-    """Calls to the Prefect REST API that retry what the server marks as retryable — 429, 502, 503 (its
-    answer when, say, SQLite is busy on loaded cores) — with backoff, as Prefect's own client does; one
-    such 503 on `create_flow_run` failed a fresh-clone CI run."""
+def _prefect_api():
+    """An HTTP client for the Prefect REST API that retries what the server marks as retryable (429,
+    502, 503 — its answer when, say, SQLite is busy on loaded cores; one such 503 on `create_flow_run`
+    failed a fresh-clone CI run): Prefect's own httpx client, with status codes left to the tests."""
+    from prefect.client.base import PrefectHttpxSyncClient
 
-    RETRY = (429, 502, 503)
-
-    def request(self, method: str, url: str, attempts: int = 8, **kw) -> httpx.Response:
-        delay = 0.5
-        for attempt in range(attempts):
-            r = httpx.request(method, url, **kw)
-            if r.status_code not in self.RETRY or attempt == attempts - 1:
-                return r
-            time.sleep(delay)
-            delay = min(2 * delay, 10.0)
-        raise AssertionError("unreachable")
-
-    def get(self, url: str, **kw) -> httpx.Response:
-        return self.request("GET", url, **kw)
-
-    def post(self, url: str, **kw) -> httpx.Response:
-        return self.request("POST", url, **kw)
-
-    def patch(self, url: str, **kw) -> httpx.Response:
-        return self.request("PATCH", url, **kw)
-
-    def delete(self, url: str, **kw) -> httpx.Response:
-        return self.request("DELETE", url, **kw)
+    return PrefectHttpxSyncClient(raise_on_all_errors=False)
 
 
-prefect_api = RetryingAPI()
+prefect_api = _prefect_api()
 
 
 def deployments(api: str) -> dict[str, dict]:
