@@ -9,12 +9,18 @@ from pathlib import Path
 import pytest
 
 from drafter.evaluation.ab_live import (
+    ab_servers,
     ab_table,
     counters_delta,
     engine_draft_sample_methods,
     flat_metrics,
     lossless_check,
+    matrix_markdown,
+    matrix_rows,
+    parse_summary,
     plan_draft_methods,
+    plan_matrix,
+    primary,
     replay_turns,
     speculative_config,
     summarize,
@@ -119,6 +125,100 @@ def test_plan_draft_methods_reports_unsupported_with_reasons():
             AbLiveConfig(concurrency=bad)
 
 
+def test_plan_matrix_runs_every_method_at_t_above_0_and_greedy_at_t0():
+    both = ["greedy", "probabilistic"]
+    plan, unsup = plan_matrix(both, both, None, [0.0, 1.0], "0.32.0")
+    assert plan == {0.0: ["greedy"], 1.0: ["greedy", "probabilistic"]}
+    assert list(unsup) == ["probabilistic at T=0"] and "temperature 0" in unsup["probabilistic at T=0"]
+    # one server per drafter and method; no speculation once, at every temperature
+    assert ab_servers(plan) == [("none", None, [0.0, 1.0]), ("baseline", "greedy", [0.0, 1.0]),
+                                ("baseline", "probabilistic", [1.0]), ("candidate", "greedy", [0.0, 1.0]),
+                                ("candidate", "probabilistic", [1.0])]
+    assert ab_servers(plan, drafts_first=True)[-1] == ("none", None, [0.0, 1.0])
+    # T=0 only (the demo): greedy alone, probabilistic not measured and why
+    plan, unsup = plan_matrix(both, both, None, [0.0], "0.32.0")
+    assert plan == {0.0: ["greedy"]} and list(unsup) == ["probabilistic"] and "temperature > 0" in unsup["probabilistic"]
+    assert ab_servers(plan) == [("none", None, [0.0]), ("baseline", "greedy", [0.0]), ("candidate", "greedy", [0.0])]
+    # an engine without the draft_sample_method field drafts greedily: greedy at both temperatures
+    plan, unsup = plan_matrix(both, None, "no field", [0.0, 1.0], "0.8.0")
+    assert plan == {0.0: ["greedy"], 1.0: ["greedy"]} and list(unsup) == ["probabilistic"]
+    assert "0.8.0 has no draft_sample_method setting (no field)" in unsup["probabilistic"]
+    assert ab_servers(plan) == [("none", None, [0.0, 1.0]), ("baseline", "greedy", [0.0, 1.0]),
+                                ("candidate", "greedy", [0.0, 1.0])]
+    # an engine that lacks probabilistic: one reason, not one per temperature
+    plan, unsup = plan_matrix(both, ["greedy"], None, [0.0, 0.7, 1.0], "0.9.0")
+    assert plan == {0.0: ["greedy"], 0.7: ["greedy"], 1.0: ["greedy"]}
+    assert unsup == {"probabilistic": "vLLM 0.9.0 accepts draft_sample_method in ['greedy'], not 'probabilistic'"}
+    # probabilistic alone: nothing can run at T=0
+    with pytest.raises(StageError, match=r"none can run on vLLM 0.32.0 at temperature 0:"):
+        plan_matrix(["probabilistic"], both, None, [0.0, 1.0], "0.32.0")
+    assert plan_matrix(["probabilistic"], both, None, [1.0], "0.32.0") == ({1.0: ["probabilistic"]}, {})
+
+
+def _matrix_runs() -> list[dict]:
+    """Recorded runs of a [0, 1] × {greedy, probabilistic} A/B at 1 and 8 users, one round: no speculation
+    10 / 40 tok/s at T=0, 8 / 32 at T=1; the drafters' tok/s and τ differ per temperature and method."""
+    runs = []
+    for t, methods, none in ((0.0, ["greedy"], (10.0, 40.0)), (1.0, ["greedy", "probabilistic"], (8.0, 32.0))):
+        for c, ref in zip((1, 8), none):
+            runs.append(_run("none", None, c, 1, ref, None, [], 0, 2.0, t=t))
+            for m in methods:
+                bump = {(0.0, "greedy"): 1.0, (1.0, "greedy"): 0.5, (1.0, "probabilistic"): 0.75}[(t, m)]
+                runs.append(_run("baseline", m, c, 1, ref * (1 + 0.2 * bump), 1 + 0.5 * bump, [10, 5], 20, 1.5, t=t))
+                runs.append(_run("candidate", m, c, 1, ref * (1 + 0.4 * bump), 1 + 0.8 * bump, [15, 5], 20, 1.0, t=t))
+    return runs
+
+
+def test_matrix_summary_flat_metrics_and_tables():
+    runs = _matrix_runs()
+    s = summarize(runs)
+    assert len(s) == 2 * (3 + 5) and s["t1/candidate/probabilistic/c8"]["tok_s"] == pytest.approx(32 * 1.3)
+    assert s["t0/candidate/greedy/c1"]["tau"] == 1.8 and s["t1/none/none/c1"]["tok_s"] == 8.0
+    result = {"num_speculative_tokens": 2, "method": "mtp", "temperatures": [0.0, 1.0], "compiled": True,
+              "engine_version": "0.32.0", "runs": runs, "summary": s,
+              "unsupported": {"probabilistic at T=0": "equals greedy"},
+              "lossless": {"prompts": 4, "identical": 4, "ok": True, "mismatches": []}}
+    assert primary(result) == (0.0, "greedy")
+    assert parse_summary(result)[(1.0, "baseline", "probabilistic", 1)] is s["t1/baseline/probabilistic/c1"]
+    m = flat_metrics(result, [1, 8])
+    # the plain names are T=0 greedy, as before
+    assert m["tau_live_candidate"] == 1.8 and m["tok_s_c1_none"] == 10.0 and m["tok_s_c8_candidate"] == 56.0
+    assert m["speedup_c1_candidate"] == 1.4 and m["temperature"] == 0.0 and m["draft_sample_method"] == "greedy"
+    assert m["temperatures"] == [0.0, 1.0] and m["compiled"] is True
+    # the others carry the temperature and the method; no speculation once per temperature
+    assert m["tau_live_candidate_t1_probabilistic"] == 1.6 and m["tau_live_baseline_t1_greedy"] == 1.25
+    assert m["tok_s_c1_none_t1"] == 8.0 and m["tok_s_c8_none_t1"] == 32.0
+    assert m["tok_s_c1_candidate_t1_greedy"] == pytest.approx(9.6) and m["speedup_c1_candidate_t1_greedy"] == 1.2
+    assert m["speedup_c8_baseline_t1_probabilistic"] == 1.15
+    names = {k for k in m if k.startswith(("tok_s_", "speedup_"))}
+    assert names == {f"{w}_c{c}_{d}{sfx}" for w in ("tok_s", "speedup") for c in (1, 8) for d in ("baseline", "candidate")
+                     for sfx in ("", "_t1_greedy", "_t1_probabilistic")} | {
+        f"tok_s_c{c}_none{sfx}" for c in (1, 8) for sfx in ("", "_t1")}
+    # ab_live.md: one row per temperature, drafter and method; speedups against no speculation at the same T
+    table = ab_table(result, [1, 8])
+    lines = table.splitlines()
+    assert lines[0].startswith("| T | drafter | draft sampling | live τ | tok/s c1 |")
+    rows = [ln for ln in lines if ln.startswith("| 1 |")]
+    assert rows == ["| 1 | none | — | — | 8.0 | 1.00× | 2.00 | 32.0 | 1.00× | 2.00 |",
+                    "| 1 | baseline | greedy | 1.250 | 8.8 | 1.10× | 1.50 | 35.2 | 1.10× | 1.50 |",
+                    "| 1 | baseline | probabilistic | 1.375 | 9.2 | 1.15× | 1.50 | 36.8 | 1.15× | 1.50 |",
+                    "| 1 | candidate | greedy | 1.400 | 9.6 | 1.20× | 1.00 | 38.4 | 1.20× | 1.00 |",
+                    "| 1 | candidate | probabilistic | 1.600 | 10.4 | 1.30× | 1.00 | 41.6 | 1.30× | 1.00 |"]
+    assert "temperatures 0, 1, vLLM 0.32.0, servers compiled (CUDA graphs / torch.compile)" in table
+    assert "Not measured: draft sampling `probabilistic at T=0`: equals greedy." in table
+    # the per-temperature/method table of the report, the gate and the card
+    mr = matrix_rows(result)
+    assert [(r["temperature"], r["draft_sample_method"], r["drafter"]) for r in mr] == [
+        (0.0, None, "none"), (0.0, "greedy", "baseline"), (0.0, "greedy", "candidate"), (1.0, None, "none"),
+        (1.0, "greedy", "baseline"), (1.0, "greedy", "candidate"), (1.0, "probabilistic", "baseline"),
+        (1.0, "probabilistic", "candidate")]
+    md = matrix_markdown(mr, {"none": "no speculation", "candidate": "fine-tuned"}).splitlines()
+    assert md[0] == "| T | draft sampling | drafter | live τ (c1) | tok/s c1 | tok/s c8 | speedup c1 | speedup c8 |"
+    assert md[-1] == "| 1 | probabilistic | fine-tuned | 1.600 | 10.4 | 41.6 | 1.30× | 1.30× |"
+    assert md[5] == "| 1 | — | no speculation | — | 8.0 | 32.0 | 1.00× | 1.00× |"
+    assert matrix_markdown([]) == ""
+
+
 def test_lossless_check_finds_the_first_differing_token():
     ref = [[1, 2, 3], [4, 5, 6], [7, 8], [9]]
     assert lossless_check(ref, [list(x) for x in ref], 8) == {"prompts": 4, "identical": 4, "ok": True, "mismatches": []}
@@ -129,8 +229,9 @@ def test_lossless_check_finds_the_first_differing_token():
     assert lossless_check(ref, [[0]] * 4, 1)["prompts"] == 1
 
 
-def _run(drafter, method, c, rnd, tok_s, tau, acc, drafts, p50, server=None):
-    return {"server": server or {}, "drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": rnd, "requests": 4,
+def _run(drafter, method, c, rnd, tok_s, tau, acc, drafts, p50, server=None, t=0.0):
+    return {"server": server or {}, "drafter": drafter, "draft_sample_method": method, "temperature": t,
+            "concurrency": c, "round": rnd, "requests": 4,
             "output_tokens": 100, "seconds": 100 / tok_s, "tok_s": tok_s, "latency_s": {"mean": p50, "p50": p50, "p90": p50},
             "tau": tau, "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": sum(acc),
             "accepted_per_pos": acc}
@@ -147,14 +248,14 @@ def test_summary_means_over_rounds_flat_metrics_and_table():
             runs.append(_run("candidate", "greedy", c, rnd, 14.0 * f * c, 2.0 if rnd == 1 else 1.8, [15, 5], 20, 1.0,
                              {"ttft_mean_s": 0.4 * rnd, "decode_tok_s": 40.0 if rnd == 2 or c == 8 else None}))
     s = summarize(runs)
-    assert s["candidate/greedy/c1"] == {"tau": 1.9, "tok_s": 10.5, "latency_p50_s": 1.0,
+    assert s["t0/candidate/greedy/c1"] == {"tau": 1.9, "tok_s": 10.5, "latency_p50_s": 1.0,
                                          "accept_rate_per_pos": [0.75, 0.25], "ttft_mean_s": 0.6, "decode_tok_s": 40.0,
                                          "rounds": 2}
-    assert s["none/none/c8"]["tau"] is None and s["none/none/c8"]["tok_s"] == 30.0
-    result = {"num_speculative_tokens": 2, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
+    assert s["t0/none/none/c8"]["tau"] is None and s["t0/none/none/c8"]["tok_s"] == 30.0
+    result = {"num_speculative_tokens": 2, "method": "mtp", "temperatures": [0.0], "engine_version": "0.32.0",
               "runs": runs, "summary": s, "unsupported": {"probabilistic": "why not"},
               "lossless": {"prompts": 4, "identical": 4, "ok": True, "mismatches": []}}
-    m = flat_metrics(result, [1, 8], ["greedy"])
+    m = flat_metrics(result, [1, 8])
     assert m["tau_live_baseline"] == 1.5 and m["tau_live_candidate"] == 1.9
     assert m["tok_s_c1_none"] == 7.5 and m["tok_s_c1_candidate"] == 10.5 and m["tok_s_c8_baseline"] == 72.0
     assert m["speedup_c1_candidate"] == pytest.approx(10.5 / 7.5, abs=1e-4) and m["lossless_ok"] is True
@@ -162,14 +263,16 @@ def test_summary_means_over_rounds_flat_metrics_and_table():
     assert m["decode_speedup_c1_candidate"] == 2.0
     table = ab_table(result, [1, 8])
     lines = table.splitlines()
-    assert lines[0].startswith("| drafter | draft sampling | live τ | tok/s c1 | speedup c1 |")
-    assert lines[2].startswith("| none | — | — | 7.5 | 1.00× |")
-    assert lines[4] == "| candidate | greedy | 1.900 | 10.5 | 1.40× | 1.00 | 84.0 | 2.80× | 1.00 |"
+    assert lines[0].startswith("| T | drafter | draft sampling | live τ | tok/s c1 | speedup c1 |")
+    assert lines[2].startswith("| 0 | none | — | — | 7.5 | 1.00× |")
+    assert lines[4] == "| 0 | candidate | greedy | 1.900 | 10.5 | 1.40× | 1.00 | 84.0 | 2.80× | 1.00 |"
     assert "4/4 prompts identical" in table and "`probabilistic`: why not" in table
     assert "Every server ran with" not in table
     assert "Every server ran with `--block-size 32`." in ab_table(dict(result, server_args=["--block-size", "32"]), [1, 8])
-    assert "| candidate | greedy | 0.600 | 40.0 | 2.00× | 0.600 | 40.0 | 2.00× |" in lines
-    assert "| none | — | 0.500 | 20.0 | 1.00× | 0.500 | 20.0 | 1.00× |" in lines
+    assert "| 0 | candidate | greedy | 0.600 | 40.0 | 2.00× | 0.600 | 40.0 | 2.00× |" in lines
+    assert "| 0 | none | — | 0.500 | 20.0 | 1.00× | 0.500 | 20.0 | 1.00× |" in lines
+    assert "temperature 0, vLLM 0.32.0, servers eager or compiled: not recorded" in table
+    assert "servers compiled (CUDA graphs / torch.compile)" in ab_table(dict(result, compiled=True), [1, 8])
     # results without server timing (older outputs) leave the server table out
     old = [{k: v for k, v in r.items() if k != "server"} for r in runs]
     assert "decode tok/s" not in ab_table(dict(result, summary=summarize(old)), [1, 8])
@@ -254,7 +357,7 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
         "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
                     "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"],
-                    "server_args": ["--block-size", "32"]},
+                    "temperature": [1.0, 0.0], "server_args": ["--block-size", "32"]},
     })
     out = tmp_path / "out"
     out.mkdir()
@@ -263,13 +366,24 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     print("\n" + (out / "ab_live.md").read_text(), json.dumps(m))
 
     assert res["engine_version"] == "0.32.0" and res["num_speculative_tokens"] == 2 and res["method"] == "mtp"
-    assert "temperature 0" in res["unsupported"]["probabilistic"]
+    assert res["temperatures"] == [0.0, 1.0] and res["compiled"] is False  # serving.enforce_eager: eager servers
+    # T=0: greedy only (probabilistic would repeat it); T=1: both methods, each its own server
+    assert list(res["unsupported"]) == ["probabilistic at T=0"] and "temperature 0" in res["unsupported"]["probabilistic at T=0"]
+    assert res["plan"] == [{"temperature": 0.0, "draft_sample_methods": ["greedy"]},
+                           {"temperature": 1.0, "draft_sample_methods": ["greedy", "probabilistic"]}]
     # 3 turns: agent-1's 2 and agent-2's first (general-1 is single-turn; agent-3 is train)
     assert res["replay"]["turns"] == 3 and res["replay"]["domains"] == ["agent"] and res["replay"]["notes"] == []
-    assert [(r["drafter"], r["draft_sample_method"], r["concurrency"]) for r in res["runs"]] == [
-        ("none", None, 1), ("none", None, 2), ("baseline", "greedy", 1), ("baseline", "greedy", 2),
-        ("candidate", "greedy", 1), ("candidate", "greedy", 2)]
+    both = [(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)]
+    assert [(r["drafter"], r["draft_sample_method"], r["temperature"], r["concurrency"]) for r in res["runs"]] == (
+        [("none", None, t, c) for t, c in both] + [("baseline", "greedy", t, c) for t, c in both]
+        + [("baseline", "probabilistic", 1.0, c) for c in (1, 2)] + [("candidate", "greedy", t, c) for t, c in both]
+        + [("candidate", "probabilistic", 1.0, c) for c in (1, 2)])
     for r in res["runs"]:
+        if r["temperature"] == 1.0:  # the target samples from a uniform distribution: no exact counts
+            assert r["requests"] == 3 and 0 < r["output_tokens"] <= 3 * 12 and r["tok_s"] > 0
+            if r["drafter"] != "none":
+                assert r["num_drafts"] > 0 and 1.0 <= r["tau"] <= 3.0, r
+            continue
         assert r["requests"] == 3 and r["output_tokens"] == 3 * 12 and r["tok_s"] > 0  # token 0 until max_tokens
         assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"], rel=1e-2)  # seconds are rounded to ms
         assert 0 < r["latency_s"]["p50"] <= r["latency_s"]["p90"] <= r["seconds"]
@@ -285,6 +399,8 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
             assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4)
     # the released drafter drafts what the target emits: all accepted; the candidate never: none accepted
     for r in res["runs"]:
+        if r["temperature"] != 0.0:
+            continue
         if r["drafter"] == "baseline":
             assert r["num_accepted_tokens"] == r["num_draft_tokens"] and r["tau"] == 3.0, r
         elif r["drafter"] == "candidate":
@@ -293,17 +409,135 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     # speculation is lossless: with all drafts rejected the T=0 output is unchanged
     assert res["lossless"] == {"prompts": 3, "identical": 3, "ok": True, "mismatches": []} and m["lossless_ok"] is True
     assert m["speedup_c1_candidate"] == pytest.approx(m["tok_s_c1_candidate"] / m["tok_s_c1_none"], abs=1e-3)
-    assert set(res["summary"]) == {f"{d}/{meth}/c{c}" for d, meth in
-                                   (("none", "none"), ("baseline", "greedy"), ("candidate", "greedy")) for c in (1, 2)}
+    assert set(res["summary"]) == {f"t0/{d}/{meth}/c{c}" for d, meth in
+                                   (("none", "none"), ("baseline", "greedy"), ("candidate", "greedy")) for c in (1, 2)} | {
+        f"t1/{d}/{meth}/c{c}" for d, meth in (("none", "none"), ("baseline", "greedy"), ("candidate", "greedy"),
+                                               ("baseline", "probabilistic"), ("candidate", "probabilistic"))
+        for c in (1, 2)}
+    assert m["tau_live_candidate_t1_probabilistic"] == res["summary"]["t1/candidate/probabilistic/c1"]["tau"]
+    assert m["tok_s_c2_none_t1"] == res["summary"]["t1/none/none/c2"]["tok_s"]
+    assert [s["speculative_config"].get("draft_sample_method") for s in res["servers"] if s["speculative_config"]] == [
+        "greedy", "probabilistic", "greedy", "probabilistic"]
     logs = sorted(p.name for p in (out / "logs").iterdir())
-    assert logs == ["server-r1-baseline-greedy.log", "server-r1-candidate-greedy.log", "server-r1-none.log"]
+    assert logs == ["server-r1-baseline-greedy.log", "server-r1-baseline-probabilistic.log",
+                    "server-r1-candidate-greedy.log", "server-r1-candidate-probabilistic.log", "server-r1-none.log"]
     assert "Glm4MoeMTP" in (out / "logs" / "server-r1-candidate-greedy.log").read_text()
     # ab_live.server_args reach every server of the A/B (and are recorded)
     assert res["server_args"] == ["--block-size", "32"]
     for log in logs:
         assert "'block_size': 32" in (out / "logs" / log).read_text(), log
     assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
-    assert "| candidate | greedy | 1.000 |" in (out / "ab_live.md").read_text()
+    md = (out / "ab_live.md").read_text()
+    assert "| 0 | candidate | greedy | 1.000 |" in md and "| 1 | candidate | probabilistic |" in md
+
+
+def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
+    """The ab_live stage with its engine replaced: a fake server per drafter/method, and measurements whose
+    tok/s and τ follow (drafter, method, temperature, users). Returns the list of calls it saw."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import drafter.stages.ab_live as stage
+    from drafter.core.stage import Artifact
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(stage, "serving_python", lambda serving: tmp_path / "python")
+    monkeypatch.setattr(stage, "engine_version", lambda py: "0.32.0")
+    monkeypatch.setattr(stage, "engine_draft_sample_methods", lambda py: (list(methods), None))
+    monkeypatch.setattr(stage, "target_dir", lambda art: tmp_path / "model")
+    monkeypatch.setattr(stage, "baseline_weights", lambda cfg, inputs: None)
+    monkeypatch.setattr(stage, "drafter_model_dir", lambda model, weights, out: Path(out))
+
+    @contextlib.contextmanager
+    def serve(model_dir, serving, *, speculative_config, log_path, served_model_name):
+        name = log_path.stem.split("-", 2)[2]  # server-r1-candidate-greedy → candidate-greedy
+        calls.append(("serve", name, serving.enforce_eager, speculative_config))
+        yield SimpleNamespace(name=name, engine_version="0.32.0", startup_s=1.0)
+
+    def measure(srv, turns, *, concurrency, max_tokens, temperature, k=None, timeout_s=300.0, **kw):
+        if turns[0].conv_id == "warmup":
+            return {}
+        calls.append(("measure", srv.name, temperature, concurrency, len(turns)))
+        spec = srv.name != "none"
+        tok_s = 10.0 * concurrency * (1 - 0.2 * temperature) * (1.5 if srv.name.startswith("candidate") else
+                                                                 1.2 if spec else 1.0)
+        return {"concurrency": concurrency, "requests": len(turns), "output_tokens": 100, "seconds": 100 / tok_s,
+                "tok_s": tok_s, "latency_s": {"mean": 1.0, "p50": 1.0, "p90": 1.0},
+                "num_drafts": 10 if spec else 0, "num_draft_tokens": 20 if spec else 0,
+                "num_accepted_tokens": 5 if spec else 0, "accepted_per_pos": [3, 2] if spec else [],
+                "tau": (1.5 + temperature / 10 + (0.05 if srv.name.endswith("probabilistic") else 0)) if spec else None,
+                "server": {}, "token_ids": [[1, 2, 3]] * len(turns)}
+
+    monkeypatch.setattr(stage, "serve", serve)
+    monkeypatch.setattr(stage, "measure", measure)
+    gen = tmp_path / "generate"
+    (gen / "shards").mkdir(parents=True)
+    rows = [_row(f"agent-{i}", "agent", 2) for i in range(4)]
+    (gen / "shards" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / "mtp-trained.safetensors").write_bytes(b"")
+    inputs = {"prepare_target": Artifact("prepare_target", "k1", tmp_path), "generate": Artifact("generate", "k2", gen),
+              "bootstrap_drafter": Artifact("bootstrap_drafter", "k3", tmp_path / "bs", {"status": "skipped"}),
+              "train": Artifact("train", "k4", train)}
+    return calls, inputs
+
+
+def test_stage_runs_the_matrix_one_server_per_drafter_and_method(tmp_path, monkeypatch):
+    """Temperatures [0, 1] × greedy/probabilistic, compiled servers, on a fake engine: which servers start, what
+    each measures, the lossless check from the T=0 replay, the keys and metrics written."""
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path)
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1, 2], "num_turns": 4, "rounds": 2,
+                                                    "lossless_prompts": 2, "temperature": [1, 0], "compiled": True}})
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, inputs, out)
+    servers = [c[1] for c in calls if c[0] == "serve"]
+    one_round = ["none", "baseline-greedy", "baseline-probabilistic", "candidate-greedy", "candidate-probabilistic"]
+    assert servers == one_round * 2
+    assert all(c[2] is False for c in calls if c[0] == "serve")  # ab_live.compiled: no --enforce-eager
+    specs = [c[3] for c in calls if c[0] == "serve"][:5]
+    assert specs[0] is None and [s["draft_sample_method"] for s in specs[1:]] == ["greedy", "probabilistic"] * 2
+    measured = [c[1:4] for c in calls if c[0] == "measure"][:16]  # round 1
+    both = [(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)]
+    assert measured == ([("none", t, c) for t, c in both] + [("baseline-greedy", t, c) for t, c in both]
+                        + [("baseline-probabilistic", 1.0, c) for c in (1, 2)]
+                        + [("candidate-greedy", t, c) for t, c in both]
+                        + [("candidate-probabilistic", 1.0, c) for c in (1, 2)])
+    assert len([c for c in calls if c[0] == "measure"]) == 32  # no extra lossless replay: T=0 was measured
+    res = json.loads((out / "ab_live.json").read_text())
+    assert res["temperatures"] == [0.0, 1.0] and res["compiled"] is True
+    assert res["lossless"] == {"prompts": 2, "identical": 2, "ok": True, "mismatches": []}
+    assert list(res["unsupported"]) == ["probabilistic at T=0"]
+    assert len(res["summary"]) == 16 and res["summary"]["t1/candidate/probabilistic/c2"]["rounds"] == 2
+    assert [s["temperatures"] for s in res["servers"][:5]] == [[0.0, 1.0], [0.0, 1.0], [1.0], [0.0, 1.0], [1.0]]
+    assert m["tau_live_candidate"] == 1.5 and m["tau_live_candidate_t1_probabilistic"] == 1.65
+    assert m["speedup_c2_candidate"] == 1.5 and m["tok_s_c1_none_t1"] == 8.0 and m["compiled"] is True
+    md = (out / "ab_live.md").read_text()
+    assert "| 1 | candidate | probabilistic | 1.650 | 12.0 | 1.50× |" in md and "servers compiled" in md
+
+
+def test_stage_at_t_above_0_only_checks_losslessness_at_t0_on_its_own(tmp_path, monkeypatch):
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path, methods=("greedy",))
+    cfg = ReleaseConfig.model_validate({"serving": {"enforce_eager": False},
+                                        "ab_live": {"concurrency": [1], "num_turns": 4, "rounds": 1,
+                                                    "lossless_prompts": 3, "temperature": 0.7}})
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, inputs, out)
+    assert [c[1:] for c in calls if c[0] == "measure"] == [
+        ("none", 0.7, 1, 4), ("none", 0.0, 1, 3), ("baseline-greedy", 0.7, 1, 4),
+        ("candidate-greedy", 0.7, 1, 4), ("candidate-greedy", 0.0, 1, 3)]
+    res = json.loads((out / "ab_live.json").read_text())
+    assert res["compiled"] is True and all(c[2] is False for c in calls if c[0] == "serve")  # serving.enforce_eager
+    assert res["lossless"]["prompts"] == 3 and set(res["summary"]) == {
+        "t0.7/none/none/c1", "t0.7/baseline/greedy/c1", "t0.7/candidate/greedy/c1"}
+    assert "vLLM 0.32.0 accepts draft_sample_method in ['greedy']" in res["unsupported"]["probabilistic"]
+    assert m["temperature"] == 0.7 and m["tau_live_candidate"] == 1.57 and not any("_t0" in k for k in m)
 
 
 def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
@@ -350,3 +584,20 @@ def test_ab_serving_appends_server_args_and_the_cpu_env(tmp_path, monkeypatch):
     assert base.extra_args == ["--seed", "1"]  # the config itself is left as it was
     # no local serving env (docker): the arguments only
     assert ab_serving(base, ["--block-size", "32"], None).env_values() == {"A": "1"}
+
+
+def test_ab_serving_runs_compiled_or_eager_as_ab_live_says():
+    from drafter.evaluation.ab_live import ab_serving
+    from drafter.serving.server import vllm_args
+
+    def eager_flag(s: ServingConfig) -> bool:
+        return "--enforce-eager" in vllm_args("m", s, served_model_name="t", host="h", port=1)
+
+    for serving_eager in (True, False):
+        base = ServingConfig(enforce_eager=serving_eager)
+        assert eager_flag(ab_serving(base, [], None)) is serving_eager  # None: serving.enforce_eager
+        assert eager_flag(ab_serving(base, [], None, compiled=True)) is False
+        assert eager_flag(ab_serving(base, [], None, compiled=False)) is True
+        assert base.enforce_eager is serving_eager  # the config itself is left as it was
+        cfg = AbLiveConfig(compiled=None)
+        assert cfg.eager(base) is serving_eager and AbLiveConfig(compiled=True).eager(base) is False

@@ -87,6 +87,79 @@ def test_minimal_inputs_say_not_measured(tmp_path):
     assert "WARNING" not in text
 
 
+def _live_inputs(tmp_path, ab: dict, ev: dict | None = None, serving: dict | None = None) -> dict:
+    """Card inputs with recorded ab_live (and eval_offline) outputs, no other stage."""
+    from drafter.core.files import write_json_atomic
+
+    ab = ab | {"replay": {"turns": 16, "conversations": 4, "domains": ["agent"], "max_tokens": 128, "notes": []},
+               "server_args": ["--block-size", "32"], "hardware": None}
+    write_json_atomic(tmp_path / "ab_live" / "ab_live.json", ab)
+    conf = {"serving": ReleaseConfig().serving.key_dump() | (serving or {}), "ab_live": ReleaseConfig().ab_live.key_dump()}
+    inputs = {"ab_live": Artifact("ab_live", "a" * 16, tmp_path / "ab_live", {"config": conf})}
+    if ev is not None:
+        write_json_atomic(tmp_path / "eval_offline" / "eval_offline.json", ev | {
+            "confidence": 0.95, "positions": 100, "conversations": 4, "windows": 8, "bootstrap_samples": 50})
+        inputs["eval_offline"] = Artifact("eval_offline", "e" * 16, tmp_path / "eval_offline")
+    return inputs
+
+
+def test_card_live_table_has_a_row_per_temperature_and_method_and_says_compiled(tmp_path):
+    from tests.test_gate import ab_live, eval_offline
+
+    tok1 = {1: (30.0, 33.0, 36.0), 8: (120.0, 126.0, 132.0)}
+    ab = ab_live(plan={0.0: ["greedy"], 1.0: ["greedy", "probabilistic"]},
+                 other={(1.0, "greedy"): (1.40, 1.50, tok1), (1.0, "probabilistic"): (1.55, 1.65, tok1)})
+    ab["compiled"] = True
+    ab["unsupported"] = {"probabilistic at T=0": "at temperature 0 vLLM drafts greedily"}
+    cfg = ReleaseConfig()
+    ctx = card_context(cfg, _live_inputs(tmp_path, ab, eval_offline()), files=[], repo_id=None, version="0.1.0",
+                       git_commit=None)
+    md = str(render_card(ctx))
+    live = section(md, "## Live A/B")
+    assert "temperatures 0, 1;" in live and "servers compiled (CUDA graphs / torch.compile);" in live
+    assert "--enforce-eager" not in live  # compiled servers: the flag is not in the server arguments
+    rows = table(live)
+    assert len(rows) == len(ab["summary"]) == 16
+    got = {(r["T"], r["drafter"], r["draft sampling"], r["users"]): r for r in rows}
+    r = got[("1", "fine-tuned", "probabilistic", "1")]
+    assert (r["τ"], r["tok/s"], r["× no speculation"]) == ("1.650", "36.00", "1.20")
+    r = got[("1", "no speculation", "—", "8")]
+    assert (r["τ"], r["tok/s"], r["× no speculation"]) == ("—", "120.00", "1.00")
+    r = got[("0", "fine-tuned", "greedy", "1")]
+    assert (r["τ"], r["tok/s"], r["× no speculation"]) == ("1.720", "55.00", "1.38")
+    assert [k[0] for k in got] == ["0"] * 6 + ["1"] * 10  # temperature first, then users
+    # live / offline τ at the primary measurement (T=0, greedy drafts, the t0 rule)
+    off = eval_offline()["drafters"]["candidate"]["t0"]["tau_by_k"][3]
+    assert (f"live at T=0 with greedy drafts, offline T=0 (greedy target)): 1.720 / {off:.3f} = {1.72 / off:.3f}"
+            in live)
+    assert "draft sampling `probabilistic at T=0`: not measured: at temperature 0 vLLM drafts greedily" in live
+    assert "compiled (CUDA graphs / torch.compile), over 16 replayed turns" in md  # limitations
+    # the usage line serves as the A/B did: compiled, no --enforce-eager
+    usage = section(md, "## Usage")
+    assert "--block-size 32" in usage and "--enforce-eager" not in usage
+    # eager servers: said so, and the flag is in the usage line
+    ab["compiled"] = False
+    md = str(render_card(card_context(cfg, _live_inputs(tmp_path / "eager", ab), files=[], repo_id=None,
+                                      version="0.1.0", git_commit=None)))
+    assert "servers eager (--enforce-eager: no graph capture);" in section(md, "## Live A/B")
+    assert "--enforce-eager" in section(md, "## Usage")
+
+
+def test_card_reads_an_older_ab_live_json(tmp_path):
+    """An ab_live.json without ``compiled`` and with summary keys <drafter>/<method>/c<c>: one temperature, eager
+    or compiled as its serving config said."""
+    from tests.test_gate import ab_live, legacy
+
+    ab = legacy(ab_live())
+    ctx = card_context(ReleaseConfig(), _live_inputs(tmp_path, ab, serving={"enforce_eager": False}), files=[],
+                       repo_id=None, version="0.1.0", git_commit=None)
+    live = section(str(render_card(ctx)), "## Live A/B")
+    assert "temperature 0;" in live and "servers compiled (CUDA graphs / torch.compile);" in live
+    rows = table(live)
+    assert len(rows) == 6 and {r["T"] for r in rows} == {"0"}
+    assert [r["tau"] for r in ctx["live"]["rows"] if r["drafter"] == "fine-tuned"] == ["1.720", "1.720"]
+
+
 def test_redact_local():
     assert redact_local("python at /home/someone/venv/bin/python, ok") == "python at <local path>/python, ok"
     assert redact_local("tok/s and K/V stay") == "tok/s and K/V stay"
@@ -169,14 +242,15 @@ def test_live_table_equals_the_stage_json(release):
     names = {"no speculation": "none", "released": "baseline", "fine-tuned": "candidate"}
     assert len(rows) == len(ab["summary"])
     for r in rows:
-        key = f"{names[r['drafter']]}/{'none' if r['draft sampling'] == '—' else r['draft sampling']}/c{r['users']}"
+        key = f"t{r['T']}/{names[r['drafter']]}/{'none' if r['draft sampling'] == '—' else r['draft sampling']}/c{r['users']}"
         s = ab["summary"][key]
-        none = ab["summary"][f"none/none/c{r['users']}"]
+        none = ab["summary"][f"t{r['T']}/none/none/c{r['users']}"]
         assert r["τ"] == ("—" if s["tau"] is None else f"{s['tau']:.3f}")
         assert r["tok/s"] == f"{s['tok_s']:.2f}" and r["decode tok/s"] == f"{s['decode_tok_s']:.2f}"
         assert r["× no speculation"] == f"{s['tok_s'] / none['tok_s']:.2f}"
         assert r["TTFT mean (s)"] == f"{s['ttft_mean_s']:.3f}" and r["latency p50 (s)"] == f"{s['latency_p50_s']:.3f}"
-    assert f"vLLM {ab['engine_version']}" in md and "--block-size 32" in md and "eager" in md
+    assert f"vLLM {ab['engine_version']}" in md and "--block-size 32" in md
+    assert "servers eager (--enforce-eager: no graph capture)" in md and ab["compiled"] is False
     assert f"{ab['lossless']['identical']}/{ab['lossless']['prompts']} prompts identical" in md
 
 

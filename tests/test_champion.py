@@ -44,6 +44,18 @@ def test_a_candidate_that_beats_the_champion_offline_and_passes_the_gate_wins():
     assert d["gate"]["verdict"] == "pass" and any("1.2500 > champion 1.2000" in r for r in d["reasons"])
 
 
+def test_the_live_numbers_are_the_lowest_temperatures_greedy_ones():
+    """An A/B at T=0 and T=1 (summary keys t<T>/…): the decision reads T=0 greedy, whatever T=1 measured."""
+    old = ab(1.20, 1.26)
+    new = dict(old, temperatures=[0.0, 1.0], summary={f"t0/{k}": v for k, v in old["summary"].items()} | {
+        "t1/none/none/c1": {"tau": None, "tok_s": 7.0}, "t1/baseline/greedy/c1": {"tau": 1.1, "tok_s": 6.0},
+        "t1/candidate/greedy/c1": {"tau": 1.0, "tok_s": 5.0}, "t1/candidate/probabilistic/c1": {"tau": 1.4, "tok_s": 8.0},
+        "t1/baseline/probabilistic/c1": {"tau": 1.3, "tok_s": 7.5}})
+    d = challenge(new, ev([1.0, 1.20, 1.3], [1.0, 1.25, 1.4]), cfg(), "champ1")
+    assert d["champion"]["tau_live"] == 1.20 and d["candidate"] == {"tau_offline": 1.25, "tau_live": 1.26, "tok_s_c1": 10.0}
+    assert d["winner"] == "candidate" and d["gate"]["verdict"] == "pass"  # the slower T=1 greedy is informational
+
+
 def test_an_equal_candidate_keeps_the_champion_and_so_does_one_below_min_tau_gain():
     d = challenge(ab(1.2, 1.2), ev([1, 1.2], [1, 1.2]), cfg(), "c")
     assert d["winner"] == "champion" and d["decision"] == KEPT

@@ -91,3 +91,43 @@ def test_ab_live_server_args_are_checked_and_key_only_the_ab(tmp_path):
     # a server setting of the A/B re-measures the A/B, but does not regenerate the data
     assert stage_key(generate.STAGE, a, keys) == stage_key(generate.STAGE, b, keys)
     assert stage_key(ab_live.STAGE, a, keys) != stage_key(ab_live.STAGE, b, keys)
+
+
+def test_ab_live_temperature_is_a_sorted_list_and_bad_values_are_named(tmp_path):
+    assert load_config(write(tmp_path, {})).ab_live.temperature == [0.0]
+    assert load_config(write(tmp_path, {"ab_live": {"temperature": 0.7}})).ab_live.temperature == [0.7]
+    assert load_config(write(tmp_path, {}), overrides=["ab_live.temperature=1"]).ab_live.temperature == [1.0]
+    cfg = load_config(write(tmp_path, {"ab_live": {"temperature": [1, 0, 1.0, 0.5]}}))
+    assert cfg.ab_live.temperature == [0.0, 0.5, 1.0]
+    with pytest.raises(ConfigError, match=r"ab_live\.temperature: .*every temperature must be a finite number ≥ 0, "
+                                          r"got \[-0\.5\] in \[0\.0, -0\.5\]"):
+        load_config(write(tmp_path, {"ab_live": {"temperature": [0, -0.5]}}))
+    with pytest.raises(ConfigError, match=r"ab_live\.temperature: .*got \[-1\.0\].*\(got -1\)"):
+        load_config(write(tmp_path, {"ab_live": {"temperature": -1}}))
+    with pytest.raises(ConfigError, match=r"ab_live\.temperature: .*at least 1 item"):
+        load_config(write(tmp_path, {"ab_live": {"temperature": []}}))
+    with pytest.raises(ConfigError, match=r"ab_live\.temperature\.1: .*valid number.*\(got 'hot'\)"):
+        load_config(write(tmp_path, {"ab_live": {"temperature": [0, "hot"]}}))
+    with pytest.raises(ConfigError, match=r"ab_live\.temperature: .*finite"):
+        load_config(write(tmp_path, {}), overrides=["ab_live.temperature=[0, .inf]"])
+    with pytest.raises(ConfigError, match=r"ab_live\.draft_sample_methods: .*at least 1 item"):
+        load_config(write(tmp_path, {"ab_live": {"draft_sample_methods": []}}))
+    assert load_config(write(tmp_path, {})).ab_live.draft_sample_methods == ["greedy", "probabilistic"]
+
+
+def test_ab_live_compiled_follows_serving_unless_set_and_keys_only_the_ab(tmp_path):
+    from drafter.core.stage import stage_key
+    from drafter.stages import ab_live, generate
+
+    a = load_config(write(tmp_path, {}))
+    assert a.ab_live.compiled is None and a.ab_live.eager(a.serving) is True  # serving.enforce_eager: true
+    b = load_config(write(tmp_path, {}), overrides=["ab_live.compiled=true"])
+    assert b.ab_live.eager(b.serving) is False and b.serving.enforce_eager is True
+    c = load_config(write(tmp_path, {}), overrides=["serving.enforce_eager=false"])
+    assert c.ab_live.eager(c.serving) is False
+    keys = {"prepare_target": "p", "generate": "g", "bootstrap_drafter": "b", "train": "t"}
+    # compiled A/B servers re-measure the A/B, but do not regenerate the data (serving.enforce_eager would)
+    assert stage_key(generate.STAGE, a, keys) == stage_key(generate.STAGE, b, keys) != stage_key(generate.STAGE, c, keys)
+    assert stage_key(ab_live.STAGE, a, keys) != stage_key(ab_live.STAGE, b, keys)
+    with pytest.raises(ConfigError, match=r"ab_live\.compiled"):
+        load_config(write(tmp_path, {"ab_live": {"compiled": "sometimes"}}))

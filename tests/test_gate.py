@@ -12,39 +12,58 @@ from drafter.core.files import write_json_atomic
 from drafter.core.errors import StageError
 from drafter.evaluation.gate import GateRefused, gate_decision, gate_report, offline_rule
 from drafter.core.stage import Artifact
+from drafter.evaluation.ab_live import run_key
 from drafter.stages import gate as gate_stage
 
 
-def _run(drafter: str, method: str | None, c: int, r: int, tok_s: float, tau: float | None) -> dict:
+def _run(drafter: str, method: str | None, c: int, r: int, tok_s: float, tau: float | None, t: float = 0.0) -> dict:
     n_out = 2048
     drafts = None if tau is None else round(n_out / tau)
     acc = None if tau is None else n_out - drafts
-    return {"drafter": drafter, "draft_sample_method": method, "concurrency": c, "round": r, "requests": 16,
-            "output_tokens": n_out, "seconds": n_out / tok_s, "tok_s": tok_s,
+    return {"drafter": drafter, "draft_sample_method": method, "temperature": t, "concurrency": c, "round": r,
+            "requests": 16, "output_tokens": n_out, "seconds": n_out / tok_s, "tok_s": tok_s,
             "latency_s": {"mean": 8.0 / c ** 0.5, "p50": 7.5, "p90": 11.0}, "tau": tau,
             "num_drafts": drafts or 0, "num_draft_tokens": 4 * (drafts or 0), "num_accepted_tokens": acc or 0,
             "accepted_per_pos": [] if tau is None else [int(acc * f) for f in (0.45, 0.27, 0.17, 0.11)]}
 
 
 def ab_live(tau_base=1.60, tau_cand=1.72, tok={1: (40.0, 52.0, 55.0), 8: (150.0, 170.0, 178.0)},
-            lossless_ok=True) -> dict:
+            lossless_ok=True, plan=None, other=None) -> dict:
     """A realistic ab_live.json (the schema the ab_live stage writes): K=4, T=0, greedy drafts,
-    concurrency 1 and 8, 2 interleaved rounds; tok = {c: (none, baseline, candidate)}."""
+    concurrency 1 and 8, 2 interleaved rounds; tok = {c: (none, baseline, candidate)}. ``plan``
+    ({temperature: [methods]}) adds other temperatures and methods; ``other`` ({(T, method): (tau_base,
+    tau_cand, tok)}) gives their numbers (default: the T=0 greedy ones)."""
+    plan = plan or {0.0: ["greedy"]}
     runs, summary = [], {}
-    for c, (t_none, t_base, t_cand) in tok.items():
-        for d, method, ts, tau in (("none", None, t_none, None), ("baseline", "greedy", t_base, tau_base),
-                                   ("candidate", "greedy", t_cand, tau_cand)):
-            rr = [_run(d, method, c, r, ts * (1 + 0.01 * (r - 0.5)), tau) for r in (0, 1)]
-            runs += rr
-            summary[f"{d}/{method or 'none'}/c{c}"] = {
-                "tau": tau, "tok_s": sum(x["tok_s"] for x in rr) / 2, "latency_p50_s": 7.5,
-                "accept_rate_per_pos": [] if tau is None else [0.6, 0.55, 0.5, 0.45],
-                "ttft_mean_s": 0.3, "decode_tok_s": ts * 1.25, "rounds": 2}
+    for t, methods in sorted(plan.items()):
+        for m in methods:
+            tb, tc, tk = (other or {}).get((t, m), (tau_base, tau_cand, tok))
+            for c, (t_none, t_base, t_cand) in tk.items():
+                drafters = [("baseline", m, t_base, tb), ("candidate", m, t_cand, tc)]
+                if m == methods[0]:
+                    drafters.insert(0, ("none", None, t_none, None))
+                for d, method, ts, tau in drafters:
+                    rr = [_run(d, method, c, r, ts * (1 + 0.01 * (r - 0.5)), tau, t) for r in (0, 1)]
+                    runs += rr
+                    summary[run_key(d, method, c, t)] = {
+                        "tau": tau, "tok_s": sum(x["tok_s"] for x in rr) / 2, "latency_p50_s": 7.5,
+                        "accept_rate_per_pos": [] if tau is None else [0.6, 0.55, 0.5, 0.45],
+                        "ttft_mean_s": 0.3, "decode_tok_s": ts * 1.25, "rounds": 2}
     mism = [] if lossless_ok else [{"prompt": 3, "first_diff_token": 17}]
-    return {"num_speculative_tokens": 4, "method": "mtp", "temperature": 0.0, "engine_version": "0.32.0",
-            "runs": runs, "summary": summary,
+    return {"num_speculative_tokens": 4, "method": "mtp", "temperatures": sorted(plan), "compiled": False,
+            "engine_version": "0.32.0", "runs": runs, "summary": summary,
+            "plan": [{"temperature": t, "draft_sample_methods": ms} for t, ms in sorted(plan.items())],
             "lossless": {"prompts": 8, "identical": 8 - len(mism), "ok": lossless_ok, "mismatches": mism},
-            "unsupported": {"probabilistic": "vLLM 0.32 MTP proposer samples drafts greedily only"}}
+            "unsupported": {} if any("probabilistic" in ms for ms in plan.values()) else
+            {"probabilistic": "vLLM 0.32 MTP proposer samples drafts greedily only"}}
+
+
+def legacy(ab: dict) -> dict:
+    """The same document as an ab_live.json written before temperatures were a list: one ``temperature``,
+    summary keys ``<drafter>/<method>/c<c>``."""
+    (t,) = ab["temperatures"]
+    return {k: v for k, v in ab.items() if k not in ("temperatures", "compiled", "plan")} | {
+        "temperature": t, "summary": {k.split("/", 1)[1]: v for k, v in ab["summary"].items()}}
 
 
 def eval_offline(tau_base_k4=1.70, tau_cand_k4=1.85, k_max=7) -> dict:
@@ -154,11 +173,8 @@ def test_force_passes_and_is_recorded(tmp_path):
 def test_rule_follows_temperature_and_draft_method():
     assert offline_rule(0.0, "greedy") == "t0" and offline_rule(0.0, "probabilistic") == "t0"
     assert offline_rule(1.0, "greedy") == "t1_greedy" and offline_rule(0.7, "probabilistic") == "t1_prob"
-    ab = ab_live()
-    ab["temperature"] = 1.0
-    for c in (1, 8):  # add probabilistic-draft measurements
-        for d, tau in (("baseline", 1.65), ("candidate", 1.80)):
-            ab["summary"][f"{d}/probabilistic/c{c}"] = dict(ab["summary"][f"{d}/greedy/c{c}"], tau=tau)
+    tok = {1: (40.0, 52.0, 55.0), 8: (150.0, 170.0, 178.0)}
+    ab = ab_live(plan={1.0: ["greedy", "probabilistic"]}, other={(1.0, "probabilistic"): (1.65, 1.80, tok)})
     ev = eval_offline()
     res = gate_decision(ab, ev, GateConfig())
     by = {c["name"]: c for c in res["checks"]}
@@ -167,21 +183,66 @@ def test_rule_follows_temperature_and_draft_method():
     assert by["live_vs_offline/probabilistic/c1"]["value"] == pytest.approx(1.80 / ev["drafters"]["candidate"]["t1_prob"]["tau_by_k"][3])
 
 
+def test_live_checks_use_the_lowest_temperature_and_the_others_are_listed(tmp_path):
+    """T=0 and T=1 × greedy/probabilistic: the checks are those of T=0 greedy; a fine-tuned drafter slower than
+    the released one at T=1 is in the gate document's table but does not refuse."""
+    slower = {1: (30.0, 36.0, 33.0), 8: (120.0, 132.0, 126.0)}  # candidate below baseline at T=1
+    ab = ab_live(plan={0.0: ["greedy"], 1.0: ["greedy", "probabilistic"]},
+                 other={(1.0, "greedy"): (1.50, 1.40, slower), (1.0, "probabilistic"): (1.55, 1.45, slower)})
+    m, out = run_gate(tmp_path, ab, eval_offline())
+    res = json.loads((out / "gate.json").read_text())
+    assert res["verdict"] == "pass" and res["temperature"] == 0.0 and res["temperatures"] == [0.0, 1.0]
+    assert [c["name"] for c in res["checks"]] == [c["name"] for c in gate_decision(ab_live(), eval_offline(),
+                                                                                    GateConfig())["checks"]]
+    assert m["tau_live_candidate"] == 1.72 and m["tok_s_c1_none"] == pytest.approx(40.0)  # T=0 greedy
+    rows = {(r["temperature"], r["draft_sample_method"], r["drafter"]): r for r in res["live_matrix"]}
+    assert len(rows) == 8 and rows[(1.0, None, "none")]["tau"] is None
+    cand = rows[(1.0, "probabilistic", "candidate")]
+    assert cand["tau"] == 1.45 and [e["concurrency"] for e in cand["by_concurrency"]] == [1, 8]
+    assert cand["by_concurrency"][0]["tok_s"] == pytest.approx(33.0) and cand["by_concurrency"][0]["speedup"] == 1.1
+    md = (out / "gate.md").read_text()
+    assert "informational: the live checks above use T=0" in md and "Temperatures 0, 1; servers eager" in md
+    assert "| 1 | probabilistic | candidate | 1.450 | 33.0 | 126.0 | 1.10× | 1.05× |" in md
+    # with only T>0 the lowest temperature is checked, every method measured there, under the T=1 rules
+    ab = ab_live(plan={0.7: ["greedy", "probabilistic"], 1.0: ["greedy", "probabilistic"]},
+                 other={(1.0, "greedy"): (1.50, 1.40, slower), (1.0, "probabilistic"): (1.55, 1.45, slower)})
+    res = gate_decision(ab, eval_offline(), GateConfig())
+    assert res["verdict"] == "pass" and res["temperature"] == 0.7
+    assert {c["name"].split("/", 1)[1] for c in res["checks"][1:]} == {"greedy/c1", "greedy/c8",
+                                                                         "probabilistic/c1", "probabilistic/c8"}
+    assert "(t1_prob, K=4)" in {c["name"]: c for c in res["checks"]}["live_vs_offline/probabilistic/c1"]["detail"]
+    # the same slower drafter at the lowest temperature is refused
+    ab = ab_live(plan={1.0: ["greedy"]}, other={(1.0, "greedy"): (1.50, 1.40, slower)})
+    assert gate_decision(ab, eval_offline(), GateConfig())["failed"][:2] == ["tau/greedy/c1", "tok_s/greedy/c1"]
+
+
+def test_an_older_ab_live_json_gives_the_same_verdict(tmp_path):
+    """ab_live.json written before temperatures were a list: one ``temperature``, keys <drafter>/<method>/c<c>."""
+    for ab in (ab_live(), ab_live(tau_cand=1.50)):
+        new, old = gate_decision(ab, eval_offline(), GateConfig()), gate_decision(legacy(ab), eval_offline(), GateConfig())
+        assert old["checks"] == new["checks"] and old["key_numbers"] == new["key_numbers"]
+        assert old["live_matrix"] == new["live_matrix"] and old["compiled"] is None
+
+
 def test_bad_inputs_name_the_file_and_key(tmp_path):
     ab = ab_live()
-    del ab["summary"]["baseline/greedy/c8"]
-    with pytest.raises(StageError, match="summary has candidate/greedy/c8 but no baseline/greedy/c8"):
+    del ab["summary"]["t0/baseline/greedy/c8"]
+    with pytest.raises(StageError, match="summary has t0/candidate/greedy/c8 but no t0/baseline/greedy/c8"):
         run_gate(tmp_path, ab, eval_offline())
     ab = ab_live()
     del ab["lossless"]
     with pytest.raises(StageError, match="ab_live.json: missing key 'lossless'"):
         run_gate(tmp_path, ab, eval_offline())
     ab = ab_live()
-    ab["summary"] = {k: v for k, v in ab["summary"].items() if not k.startswith("candidate")}
-    with pytest.raises(StageError, match="summary has no candidate entry"):
+    ab["summary"] = {k: v for k, v in ab["summary"].items() if "/candidate/" not in k}
+    with pytest.raises(StageError, match="summary has no candidate entry at temperature 0"):
         run_gate(tmp_path, ab, eval_offline())
     ab = ab_live()
-    ab["summary"]["candidate/greedy/c1"] = dict(ab["summary"]["candidate/greedy/c1"], tau=None)
+    ab["summary"]["t0.5/candidate/greedy"] = ab["summary"]["t0/candidate/greedy/c1"]
+    with pytest.raises(StageError, match=r"summary key 't0.5/candidate/greedy' is not t<temperature>/<drafter>/<method>/c<concurrency>"):
+        run_gate(tmp_path, ab, eval_offline())
+    ab = ab_live()
+    ab["summary"]["t0/candidate/greedy/c1"] = dict(ab["summary"]["t0/candidate/greedy/c1"], tau=None)
     res = gate_decision(ab, eval_offline(), GateConfig())
     assert "tau/greedy/c1" in res["failed"] and "live_vs_offline/greedy/c1" in res["failed"]
     inputs = {"ab_live": Artifact("ab_live", "a" * 16, tmp_path / "nothing"),

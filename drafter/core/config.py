@@ -456,8 +456,10 @@ class AbLiveConfig(Section):
         "of a target step and K=2 was fastest (K=4 ran slower than no speculation); use eval_offline's recommended_k "
         "on real hardware.")
     draft_sample_methods: list[Literal["greedy", "probabilistic"]] = Field(
-        default_factory=lambda: ["greedy"], description="Draft sampling methods to run where the engine supports them "
-        "(unsupported ones are reported as such).")
+        default_factory=lambda: ["greedy", "probabilistic"], min_length=1,
+        description="Draft sampling methods (vLLM's `speculative_config.draft_sample_method`), each on its own server, "
+        "at every temperature > 0 where the engine supports them; at T=0 vLLM drafts greedily whatever the method, so "
+        "only `greedy` runs there. What does not run is reported with the reason.")
     concurrency: list[int] = Field(default_factory=lambda: [1, 8], min_length=1,
                                    description="Concurrent users per measurement (each ≥ 1; live τ and the lossless check use the smallest).")
     num_turns: int = Field(8, ge=1, description="Held-out multi-turn agent turns replayed per measurement (≥ the largest "
@@ -466,7 +468,16 @@ class AbLiveConfig(Section):
     max_tokens: int = Field(40, ge=1, description="Max new tokens per replayed turn. Short turns make the prompt's "
                             "prefill (not sped up by speculation) a larger share of each request; the demo replays at "
                             "generate.max_tokens (128).")
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the replay.")
+    temperature: list[float] = Field(
+        default_factory=lambda: [0.0], min_length=1,
+        description="Sampling temperatures of the replay: a number or a list (each ≥ 0; sorted, duplicates dropped). "
+        "Every drafter and draft sampling method is measured at each; the lowest gives the gate's live checks and the "
+        "stage's plain metric names (the others are suffixed `_t<T>_<method>`). The lossless check runs at T=0 "
+        "whatever these are.")
+    compiled: bool | None = Field(
+        None, description="The A/B's vLLM servers compiled (true: CUDA graphs / torch.compile) or eager (false: "
+        "`--enforce-eager`); null follows `serving.enforce_eager`. Unlike `serving`, it does not re-key the generate "
+        "stage. Recorded in ab_live.json, the report and the card.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
     request_timeout_s: float = Operational(300.0, gt=0, description="Timeout of one request.")
     server_args: list[str] = Field(
@@ -487,6 +498,24 @@ class AbLiveConfig(Section):
             raise ValueError(f"{bad}: the A/B sets these itself per server (the speculative config from method / "
                              "num_speculative_tokens / draft_sample_methods)")
         return v
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _one_temperature_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, (int, float, str)) and not isinstance(v, bool) else v
+
+    @field_validator("temperature")
+    @classmethod
+    def _valid_temperatures(cls, v: list[float]) -> list[float]:
+        bad = [t for t in v if not (math.isfinite(t) and t >= 0)]
+        if bad:
+            raise ValueError(f"every temperature must be a finite number ≥ 0, got {bad} in {v}")
+        return sorted(set(v))
+
+    def eager(self, serving: ServingConfig) -> bool:
+        """Whether the A/B's servers run eager (``--enforce-eager``): ``not compiled``, or ``serving.enforce_eager``
+        when ``compiled`` is None."""
+        return serving.enforce_eager if self.compiled is None else not self.compiled
 
     @field_validator("concurrency")
     @classmethod

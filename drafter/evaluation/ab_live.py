@@ -2,8 +2,16 @@
 
 vLLM cannot swap drafters inside a running server, so one *round* starts a server for each drafter
 in turn — ``none`` (no speculation: the speed reference), ``baseline`` (the released drafter),
-``candidate`` (the fine-tuned one) — measures every concurrency on it and stops it. Rounds repeat
-the same order (A B A B …), so slow drift of the machine hits every drafter alike.
+``candidate`` (the fine-tuned one), the last two once per draft sampling method — measures every
+temperature and concurrency on it and stops it. Rounds repeat the same order (A B A B …), so slow
+drift of the machine hits every drafter alike.
+
+* **Matrix** (:func:`plan_matrix`, :func:`ab_servers`): temperature × drafter × draft sampling method ×
+  concurrency. The temperature is a request parameter, the draft sampling method a server setting: at
+  T=0 only ``greedy`` runs (vLLM drafts greedily at T=0 whatever the method), at T>0 every configured
+  method the engine accepts, each on its own server. Results are keyed ``t<T>/<drafter>/<method>/c<c>``
+  (:func:`run_key`, read back with :func:`parse_summary`); the *primary* measurement (:func:`primary`:
+  the lowest temperature, greedy drafts) is what the gate checks and what the plain metric names carry.
 
 * **Replay** (:func:`replay_turns`): each assistant turn of the held-out multi-turn agent
   conversations, with the messages before it (the target's own earlier answers) as the prompt.
@@ -18,6 +26,8 @@ the same order (A B A B …), so slow drift of the machine hits every drafter al
   without it.
 * **Draft sampling** (:func:`engine_draft_sample_methods`): which ``draft_sample_method`` values the
   serving env's vLLM accepts, read from its source without importing it.
+* **Servers** (:func:`ab_serving`): every server of the A/B runs with the same settings, eager or
+  compiled (``ab_live.compiled``; :func:`compile_mode` says which in the tables and the card).
 
 Example::
 
@@ -202,12 +212,52 @@ def plan_draft_methods(wanted: list[str], engine_methods: list[str] | None, why:
         elif m != "greedy" and temperature == 0:
             unsupported[m] = (f"at temperature 0 vLLM {engine_version} drafts greedily with any draft_sample_method "
                               f"(the proposer samples only for non-greedy requests), so {m!r} equals 'greedy'; "
-                              f"set ab_live.temperature > 0 to measure it")
+                              f"add a temperature > 0 to ab_live.temperature to measure it")
         else:
             run.append(m)
     if not run:
-        raise StageError(f"ab_live.draft_sample_methods={wanted}: none can run on vLLM {engine_version}: {unsupported}")
+        raise StageError(f"ab_live.draft_sample_methods={wanted}: none can run on vLLM {engine_version} at temperature "
+                         f"{temperature:g}: {unsupported}")
     return run, unsupported
+
+
+def plan_matrix(wanted: list[str], engine_methods: list[str] | None, why: str | None, temperatures: list[float],
+                engine_version: str) -> tuple[dict[float, list[str]], dict[str, str]]:
+    """``(plan, unsupported)``: per temperature the draft sampling methods to measure there
+    (:func:`plan_draft_methods` at each), and why the others are not — keyed by the method where it runs at
+    no temperature, by ``<method> at T=<t>`` where it runs at some temperatures only.
+
+    Example: temperatures [0, 1], methods [greedy, probabilistic] on vLLM 0.32 →
+    ``({0.0: ["greedy"], 1.0: ["greedy", "probabilistic"]}, {"probabilistic at T=0": "at temperature 0 …"})``.
+    """
+    plan: dict[float, list[str]] = {}
+    why_not: dict[str, dict[float, str]] = {}
+    for t in sorted(temperatures):
+        plan[t], unsupported = plan_draft_methods(wanted, engine_methods, why, t, engine_version)
+        for m, reason in unsupported.items():
+            why_not.setdefault(m, {})[t] = reason
+    out: dict[str, str] = {}
+    for m, by_t in why_not.items():
+        if len(by_t) == len(plan):  # measured at no temperature
+            out[m] = "; ".join(dict.fromkeys(by_t.values()))
+        else:
+            out |= {f"{m} at T={t:g}": reason for t, reason in by_t.items()}
+    return plan, out
+
+
+def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False) -> list[tuple[str, str | None, list[float]]]:
+    """One round: ``(drafter, draft sample method, temperatures)`` per server, in the fixed A B order.
+
+    No speculation is one server, measured at every temperature; each drafter has one server per draft
+    sampling method (a server setting), measured at the temperatures (a request parameter) where ``plan``
+    runs that method. ``drafts_first`` (DSpark) starts with the speculative servers, so an engine that
+    refuses the method says so at once.
+    """
+    temps = sorted(plan)
+    methods = list(dict.fromkeys(m for t in temps for m in plan[t]))
+    spec = [(d, m, [t for t in temps if m in plan[t]]) for d in ("baseline", "candidate") for m in methods]
+    none = [("none", None, temps)]
+    return spec + none if drafts_first else none + spec
 
 
 def cpu_list(cpus: Iterable[int]) -> str:
@@ -243,12 +293,23 @@ def cpu_server_env(python: str | Path, serving: "ServingConfig") -> dict[str, st
     return env
 
 
-def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None) -> "ServingConfig":
-    """The settings every server of an A/B runs with: ``serving`` plus ``server_args`` (``ab_live.server_args``)
-    and, for a vLLM CPU subprocess started from ``python``, :func:`cpu_server_env`."""
+def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None,
+               compiled: bool | None = None) -> "ServingConfig":
+    """The settings every server of an A/B runs with: ``serving`` plus ``server_args`` (``ab_live.server_args``),
+    compiled or eager as ``compiled`` says (``ab_live.compiled``; None keeps ``serving.enforce_eager``) and, for a
+    vLLM CPU subprocess started from ``python``, :func:`cpu_server_env`."""
     extra = cpu_server_env(python, serving) if python is not None else {}
     env = dict(serving.env) | {k: SecretStr(v) for k, v in extra.items()}  # every value a secret, as validated ones
-    return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "env": env})
+    eager = serving.enforce_eager if compiled is None else not compiled
+    return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "env": env,
+                                      "enforce_eager": eager})
+
+
+def compile_mode(compiled: bool | None) -> str:
+    """How the A/B's servers ran, in words (ab_live.json's ``compiled``; None: an output that did not record it)."""
+    if compiled is None:
+        return "eager or compiled: not recorded"
+    return "compiled (CUDA graphs / torch.compile)" if compiled else "eager (--enforce-eager: no graph capture)"
 
 
 # --------------------------------------------------------------------------- counters
@@ -385,16 +446,73 @@ def lossless_check(reference: list[list[int] | None], speculative: list[list[int
     return {"prompts": n, "identical": n - len(mismatches), "ok": n > 0 and not mismatches, "mismatches": mismatches}
 
 
-def run_key(drafter: str, method: str | None, concurrency: int) -> str:
-    """Summary key: ``<drafter>/<method or none>/c<c>``, e.g. ``candidate/greedy/c1``."""
-    return f"{drafter}/{method or 'none'}/c{concurrency}"
+def temp_tag(temperature: float) -> str:
+    """A temperature in result keys and metric names: ``t0``, ``t1``, ``t0.7``."""
+    return f"t{temperature:g}"
+
+
+def run_key(drafter: str, method: str | None, concurrency: int, temperature: float) -> str:
+    """Summary key: ``t<T>/<drafter>/<method or none>/c<c>``, e.g. ``t0/candidate/greedy/c1``."""
+    return f"{temp_tag(temperature)}/{drafter}/{method or 'none'}/c{concurrency}"
+
+
+SummaryKey = tuple  # (temperature, drafter, method or "none", concurrency)
+
+
+def temperatures(ab: dict) -> list[float]:
+    """The temperatures of an ab_live.json (``temperatures``; an older output's one ``temperature``)."""
+    if ab.get("temperatures"):
+        return sorted(float(t) for t in ab["temperatures"])
+    return [float(ab.get("temperature") or 0.0)]
+
+
+def parse_summary(ab: dict) -> dict[SummaryKey, dict]:
+    """An ab_live.json's ``summary`` by ``(temperature, drafter, method or "none", concurrency)``.
+
+    Keys are ``t<T>/<drafter>/<method>/c<c>``; an older output's ``<drafter>/<method>/c<c>`` is read at its
+    one temperature. A malformed key raises :class:`StageError` naming it.
+    """
+    if not isinstance(ab, dict) or "summary" not in ab:
+        raise StageError("ab_live.json: missing key 'summary'")
+    legacy_t = temperatures(ab)[0]
+    out: dict[SummaryKey, dict] = {}
+    for key, entry in ab["summary"].items():
+        parts = key.split("/")
+        if len(parts) == 3:
+            parts = [temp_tag(legacy_t), *parts]
+        try:
+            if len(parts) != 4 or not parts[0].startswith("t") or not parts[3].startswith("c"):
+                raise ValueError
+            out[(float(parts[0][1:]), parts[1], parts[2], int(parts[3][1:]))] = entry
+        except ValueError:
+            raise StageError(f"ab_live.json: summary key {key!r} is not t<temperature>/<drafter>/<method>/c<concurrency>") from None
+    return out
+
+
+def matrix(ab: dict) -> dict[float, list[str]]:
+    """Temperature → the draft sampling methods measured there (in the order they ran), from the summary."""
+    out: dict[float, list[str]] = {}
+    for t, d, m, _ in parse_summary(ab):
+        out.setdefault(t, [])
+        if d != "none" and m not in out[t]:
+            out[t].append(m)
+    return dict(sorted(out.items()))
+
+
+def primary(ab: dict) -> tuple[float, str]:
+    """``(temperature, method)`` of the primary measurement: the lowest temperature, greedy drafts when measured
+    there (else its first method). The gate checks it; the stage's plain metric names carry it."""
+    mx = matrix(ab)
+    t = min(mx) if mx else temperatures(ab)[0]
+    methods = mx.get(t) or ["greedy"]
+    return t, "greedy" if "greedy" in methods else methods[0]
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Means over rounds per (drafter, draft sample method, concurrency)."""
+    """Means over rounds per (temperature, drafter, draft sample method, concurrency), keyed by :func:`run_key`."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
-        groups.setdefault(run_key(r["drafter"], r["draft_sample_method"], r["concurrency"]), []).append(r)
+        groups.setdefault(run_key(r["drafter"], r["draft_sample_method"], r["concurrency"], r["temperature"]), []).append(r)
     out = {}
     for key, rs in groups.items():
         taus = [r["tau"] for r in rs if r["tau"] is not None]
@@ -416,30 +534,50 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def flat_metrics(result: dict, concurrency: list[int], methods: list[str]) -> dict:
-    """The stage's flat metrics: live τ (c1, first draft method), tok/s per drafter and concurrency, speedups."""
-    s = result["summary"]
-    m = "greedy" if "greedy" in methods else methods[0]
+def _ratio(x: float | None, ref: float | None, nd: int = 4) -> float | None:
+    return round(x / ref, nd) if x and ref else None
+
+
+def flat_metrics(result: dict, concurrency: list[int]) -> dict:
+    """The stage's flat metrics.
+
+    The primary measurement (:func:`primary`) keeps the plain names: ``tau_live_<drafter>`` (smallest
+    concurrency), ``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>`` (vs no speculation at the same
+    temperature), ``decode_tok_s_c<c1>_<drafter>``, ``decode_speedup_c<c1>_<drafter>``; every other temperature
+    and method adds ``_t<T>_<method>`` to the first three (no speculation: ``tok_s_c<c>_none_t<T>``), e.g.
+    ``speedup_c1_candidate_t1_probabilistic``.
+    """
+    s = parse_summary(result)
+    t0, m0 = primary(result)
     c1 = min(concurrency)
     out: dict = {}
-    for d in ("baseline", "candidate"):
-        out[f"tau_live_{d}"] = s.get(run_key(d, m, c1), {}).get("tau")
 
-    def speeds(field: str, c: int, prefix: str) -> None:  # <prefix>tok_s_c<c>_<drafter>, <prefix>speedup_c<c>_<drafter>
-        ref = s.get(run_key("none", None, c), {}).get(field)
-        out[f"{prefix}tok_s_c{c}_none"] = ref
+    def speeds(field: str, t: float, m: str, c: int, prefix: str, sfx: str) -> None:
+        ref = s.get((t, "none", "none", c), {}).get(field)
         for d in ("baseline", "candidate"):
-            x = s.get(run_key(d, m, c), {}).get(field)
-            out[f"{prefix}tok_s_c{c}_{d}"] = x
-            out[f"{prefix}speedup_c{c}_{d}"] = round(x / ref, 4) if x and ref else None
+            x = s.get((t, d, m, c), {}).get(field)
+            out[f"{prefix}tok_s_c{c}_{d}{sfx}"] = x
+            out[f"{prefix}speedup_c{c}_{d}{sfx}"] = _ratio(x, ref)
 
-    for c in concurrency:
-        speeds("tok_s", c, "")
-    speeds("decode_tok_s", c1, "decode_")  # server side, prefill excluded
+    combos = [(t0, m0)] + [(t, m) for t, ms in matrix(result).items() for m in ms if (t, m) != (t0, m0)]
+    for i, (t, m) in enumerate(combos):
+        sfx = "" if i == 0 else f"_{temp_tag(t)}_{m}"
+        for d in ("baseline", "candidate"):
+            out[f"tau_live_{d}{sfx}"] = s.get((t, d, m, c1), {}).get("tau")
+        for c in concurrency:
+            if all(t != tt for tt, _ in combos[:i]):  # no speculation: once per temperature
+                none_sfx = "" if t == t0 else f"_{temp_tag(t)}"
+                out[f"tok_s_c{c}_none{none_sfx}"] = s.get((t, "none", "none", c), {}).get("tok_s")
+            speeds("tok_s", t, m, c, "", sfx)
+    out[f"decode_tok_s_c{c1}_none"] = s.get((t0, "none", "none", c1), {}).get("decode_tok_s")
+    speeds("decode_tok_s", t0, m0, c1, "decode_", "")  # server side, prefill excluded
     lossless = result.get("lossless") or {}
     out["lossless_ok"] = lossless.get("ok")
     out["lossless_identical"] = lossless.get("identical")
-    out["draft_sample_method"] = m
+    out["temperature"] = t0
+    out["draft_sample_method"] = m0
+    out["temperatures"] = temperatures(result)
+    out["compiled"] = result.get("compiled")
     out["num_speculative_tokens"] = result["num_speculative_tokens"]
     out["engine_version"] = result.get("engine_version")
     return out
@@ -449,42 +587,52 @@ def _f(x, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _x(x: float | None) -> str:
+    return _f(x, ".2f") + ("×" if x is not None else "")
+
+
+def _rows(s: dict[SummaryKey, dict]) -> list[tuple[float, str, str]]:
+    """(temperature, drafter, method) of a parsed summary in table order."""
+    return sorted({k[:3] for k in s}, key=lambda r: (r[0], DRAFTERS.index(r[1]), r[2]))
+
+
 def ab_table(result: dict, concurrency: list[int]) -> str:
-    """Markdown: per drafter (and draft sampling), live τ, tok/s and speedup vs no speculation at each
-    concurrency, per-request latency p50; then the lossless check and unsupported methods."""
-    s = result["summary"]
-    rows = sorted({(k.split("/")[0], k.split("/")[1]) for k in s}, key=lambda dm: (DRAFTERS.index(dm[0]), dm[1]))
-    head = ["drafter", "draft sampling", "live τ"]
+    """Markdown: per temperature, drafter and draft sampling, live τ, tok/s and speedup vs no speculation (at the
+    same temperature) at each concurrency, per-request latency p50; then the lossless check and what was not
+    measured."""
+    s = parse_summary(result)
+    rows = _rows(s)
+    head = ["T", "drafter", "draft sampling", "live τ"]
     for c in concurrency:
         head += [f"tok/s c{c}", f"speedup c{c}", f"latency p50 c{c} (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for d, m in rows:
-        c1 = s.get(f"{d}/{m}/c{min(concurrency)}", {})
-        cells = [d, "—" if m == "none" else m, _f(c1.get("tau"), ".3f")]
+    for t, d, m in rows:
+        c1 = s.get((t, d, m, min(concurrency)), {})
+        cells = [f"{t:g}", d, "—" if m == "none" else m, _f(c1.get("tau"), ".3f")]
         for c in concurrency:
-            e, ref = s.get(f"{d}/{m}/c{c}", {}), s.get(f"none/none/c{c}", {})
-            sp = e["tok_s"] / ref["tok_s"] if e.get("tok_s") and ref.get("tok_s") else None
-            cells += [_f(e.get("tok_s"), ".1f"), _f(sp, ".2f") + ("×" if sp is not None else ""),
+            e, ref = s.get((t, d, m, c), {}), s.get((t, "none", "none", c), {})
+            cells += [_f(e.get("tok_s"), ".1f"), _x(_ratio(e.get("tok_s"), ref.get("tok_s"))),
                       _f(e.get("latency_p50_s"), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     if any(e.get("decode_tok_s") for e in s.values()):
-        head = ["drafter", "draft sampling"]
+        head = ["T", "drafter", "draft sampling"]
         for c in concurrency:
             head += [f"TTFT c{c} (s)", f"decode tok/s per user c{c}", f"decode speedup c{c}"]
         lines += ["", "Server side (vLLM's request histograms; decode = the tokens after the first, prefill excluded):", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for d, m in rows:
-            cells = [d, "—" if m == "none" else m]
+        for t, d, m in rows:
+            cells = [f"{t:g}", d, "—" if m == "none" else m]
             for c in concurrency:
-                e, ref = s.get(f"{d}/{m}/c{c}", {}), s.get(f"none/none/c{c}", {})
-                sp = e["decode_tok_s"] / ref["decode_tok_s"] if e.get("decode_tok_s") and ref.get("decode_tok_s") else None
+                e, ref = s.get((t, d, m, c), {}), s.get((t, "none", "none", c), {})
                 cells += [_f(e.get("ttft_mean_s"), ".3f"), _f(e.get("decode_tok_s"), ".1f"),
-                          _f(sp, ".2f") + ("×" if sp is not None else "")]
+                          _x(_ratio(e.get("decode_tok_s"), ref.get("decode_tok_s")))]
             lines.append("| " + " | ".join(cells) + " |")
     rounds = max((e["rounds"] for e in s.values()), default=0)
+    temps = temperatures(result)
     lines.append("")
-    lines.append(f"K = {result['num_speculative_tokens']} ({result['method']}), temperature {result['temperature']:g}, "
-                 f"vLLM {result.get('engine_version')}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
+    lines.append(f"K = {result['num_speculative_tokens']} ({result['method']}), temperature{'s' if len(temps) > 1 else ''} "
+                 f"{', '.join(f'{t:g}' for t in temps)}, vLLM {result.get('engine_version')}, servers "
+                 f"{compile_mode(result.get('compiled'))}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
                  + (f" Every server ran with `{' '.join(result['server_args'])}`." if result.get("server_args") else ""))
     ll = result.get("lossless")
     if ll:
@@ -493,4 +641,42 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
                      + (f" (first mismatches: {ll['mismatches'][:3]})" if ll["mismatches"] else "") + ".")
     for m, why in (result.get("unsupported") or {}).items():
         lines.append(f"Not measured: draft sampling `{m}`: {why}.")
+    return "\n".join(lines) + "\n"
+
+
+def matrix_rows(ab: dict) -> list[dict]:
+    """The A/B per temperature and draft sampling: for each temperature a no-speculation row, then per method
+    the released and the fine-tuned drafter — ``{"temperature", "draft_sample_method" (None without
+    speculation), "drafter", "tau" (smallest concurrency), "by_concurrency": [{"concurrency", "tok_s",
+    "speedup"}]}``, the speedup against no speculation at the same temperature and concurrency."""
+    s = parse_summary(ab)
+    conc = sorted({k[3] for k in s})
+    out = []
+    for t, methods in matrix(ab).items():
+        for d, m in [("none", "none")] + [(d, m) for m in methods for d in ("baseline", "candidate")]:
+            if not any((t, d, m, c) in s for c in conc):
+                continue
+            ref = {c: s.get((t, "none", "none", c), {}).get("tok_s") for c in conc}
+            out.append({"temperature": t, "draft_sample_method": None if d == "none" else m, "drafter": d,
+                        "tau": s.get((t, d, m, conc[0]), {}).get("tau"),
+                        "by_concurrency": [{"concurrency": c, "tok_s": s.get((t, d, m, c), {}).get("tok_s"),
+                                            "speedup": _ratio(s.get((t, d, m, c), {}).get("tok_s"), ref[c])}
+                                           for c in conc]})
+    return out
+
+
+def matrix_markdown(rows: list[dict], labels: dict[str, str] | None = None) -> str:
+    """Markdown of :func:`matrix_rows`: one row per temperature, draft sampling and drafter (``labels`` names the
+    drafters), live τ at the smallest concurrency, tok/s and speedup vs no speculation at each concurrency."""
+    if not rows:
+        return ""
+    conc = [e["concurrency"] for e in rows[0]["by_concurrency"]]
+    head = ["T", "draft sampling", "drafter", f"live τ (c{conc[0]})"]
+    head += [f"tok/s c{c}" for c in conc] + [f"speedup c{c}" for c in conc]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['temperature']:g}", r["draft_sample_method"] or "—", (labels or {}).get(r["drafter"], r["drafter"]),
+                 _f(r["tau"], ".3f")]
+        cells += [_f(e["tok_s"], ".1f") for e in r["by_concurrency"]] + [_x(e["speedup"]) for e in r["by_concurrency"]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -11,6 +11,10 @@ Checks (each with its numbers, see :class:`Check`):
   offline τ taken at the live K under the matching rule (T=0 → ``t0``; T>0 → ``t1_greedy`` for greedy
   drafts, ``t1_prob`` for probabilistic ones).
 
+The τ, tok/s and live-vs-offline checks run at the A/B's lowest temperature (every draft sampling method
+measured there: at T=0 greedy only). The other temperatures and methods are listed in the gate document
+(``live_matrix``, a table in the report) for information: they do not change the verdict.
+
 Verdict: ``pass`` (every check passed), ``forced`` (some failed, ``force`` set: recorded in the card),
 ``refused`` (some failed): the stage raises :class:`GateRefused` with the report, stopping the flow
 before anything is published.
@@ -27,6 +31,8 @@ from typing import Any
 
 from drafter.core.config import GateConfig
 from drafter.core.errors import StageError
+from drafter.evaluation.ab_live import (compile_mode, matrix_markdown, matrix_rows, parse_summary, primary,
+                                        run_key, temperatures)
 
 
 class GateRefused(StageError):
@@ -66,17 +72,6 @@ def _need(d: Any, key: str, where: str):
     return d[key]
 
 
-def _parse_summary(ab: dict) -> dict[tuple[str, str, int], dict]:
-    """ab_live ``summary`` keys ``<drafter>/<method or none>/c<c>`` → (drafter, method, c)."""
-    out = {}
-    for key, entry in _need(ab, "summary", "ab_live.json").items():
-        parts = key.split("/")
-        if len(parts) != 3 or not parts[2].startswith("c") or not parts[2][1:].isdigit():
-            raise StageError(f"ab_live.json: summary key {key!r} is not <drafter>/<method>/c<concurrency>")
-        out[(parts[0], parts[1], int(parts[2][1:]))] = entry
-    return out
-
-
 def _fmt(v: float | None, nd: int = 3) -> str:
     return "–" if v is None else f"{v:.{nd}f}"
 
@@ -95,20 +90,21 @@ def gate_checks(ab: dict, ev: dict, cfg: GateConfig) -> list[Check]:
         detail = "the lossless check ran on no prompts (ab_live.lossless_prompts = 0)"
     checks.append(Check("lossless", ok and prompts > 0, float(identical), float(prompts), float(prompts), detail))
 
-    summary = _parse_summary(ab)
+    summary = parse_summary(ab)
     k = int(_need(ab, "num_speculative_tokens", "ab_live.json"))
-    temperature = float(ab.get("temperature", 0.0))
-    cands = sorted(key for key in summary if key[0] == "candidate")
+    temperature = temperatures(ab)[0]
+    cands = sorted((m, c) for t, d, m, c in summary if d == "candidate" and t == temperature)
     if not cands:
-        raise StageError("ab_live.json: summary has no candidate entry (candidate/<method>/c<c>); "
-                         f"entries: {sorted('/'.join(map(str, k)) for k in summary)}")
+        raise StageError(f"ab_live.json: summary has no candidate entry at temperature {temperature:g} "
+                         f"({run_key('candidate', '<method>', '<c>', temperature)}); entries: {sorted(ab['summary'])}")
     drafters = _need(ev, "drafters", "eval_offline.json")
     offline = _need(drafters, "candidate", "eval_offline.json drafters")
-    for _, method, c in cands:
-        cand = summary[("candidate", method, c)]
-        base = summary.get(("baseline", method, c))
+    for method, c in cands:
+        cand = summary[(temperature, "candidate", method, c)]
+        base = summary.get((temperature, "baseline", method, c))
         if base is None:
-            raise StageError(f"ab_live.json: summary has candidate/{method}/c{c} but no baseline/{method}/c{c}")
+            raise StageError(f"ab_live.json: summary has {run_key('candidate', method, c, temperature)} but no "
+                             f"{run_key('baseline', method, c, temperature)}")
         tag = f"{method}/c{c}"
         ct, bt = cand.get("tau"), base.get("tau")
         if ct is None or bt is None:
@@ -148,15 +144,16 @@ def gate_decision(ab: dict, ev: dict, cfg: GateConfig) -> dict:
     checks = gate_checks(ab, ev, cfg)
     failed = [c.name for c in checks if not c.passed]
     verdict = "pass" if not failed else ("forced" if cfg.force else "refused")
-    summary = _parse_summary(ab)
+    summary = parse_summary(ab)
+    temperature, method = primary(ab)  # the key numbers: lowest temperature, greedy drafts
     key = {}
     for d in ("baseline", "candidate", "none"):
-        s = summary.get((d, "none" if d == "none" else "greedy", 1)) or {}
+        s = summary.get((temperature, d, "none" if d == "none" else method, 1)) or {}
         key[f"tok_s_c1_{d}"] = s.get("tok_s")
         if d != "none":
             key[f"tau_live_{d}"] = s.get("tau")
     k = ab.get("num_speculative_tokens")
-    rule = offline_rule(float(ab.get("temperature", 0.0)), "greedy")
+    rule = offline_rule(temperature, method)
     for d in ("baseline", "candidate"):
         by_k = ev.get("drafters", {}).get(d, {}).get(rule, {}).get("tau_by_k", [])
         key[f"tau_offline_{d}"] = by_k[k - 1] if k and k <= len(by_k) else None
@@ -168,9 +165,12 @@ def gate_decision(ab: dict, ev: dict, cfg: GateConfig) -> dict:
         "checks": [asdict(c) for c in checks],
         "tolerances": cfg.model_dump(exclude={"force"}),
         "num_speculative_tokens": k,
-        "temperature": ab.get("temperature", 0.0),
+        "temperature": temperature,  # of the live checks
+        "temperatures": temperatures(ab),
+        "compiled": ab.get("compiled"),
         "unsupported": ab.get("unsupported") or {},
         "key_numbers": key,
+        "live_matrix": matrix_rows(ab),  # every temperature and draft sampling method, for information
     }
 
 
@@ -180,7 +180,8 @@ def gate_without_live(reason: str, cfg: GateConfig) -> dict:
     check = Check("live", False, None, None, None, f"no live A/B measurement: ab_live was skipped ({reason})")
     return {"verdict": "forced" if cfg.force else "refused", "forced": cfg.force, "force": cfg.force,
             "failed": [check.name], "checks": [asdict(check)], "tolerances": cfg.model_dump(exclude={"force"}),
-            "num_speculative_tokens": None, "temperature": None, "unsupported": {}, "key_numbers": {}}
+            "num_speculative_tokens": None, "temperature": None, "temperatures": [], "compiled": None,
+            "unsupported": {}, "key_numbers": {}, "live_matrix": []}
 
 
 def gate_report(res: dict) -> str:
@@ -202,5 +203,12 @@ def gate_report(res: dict) -> str:
         lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {_fmt(c['value'])} | "
                      f"{_fmt(c['reference'])} | {_fmt(c['threshold'])} | {c['detail']} |")
     for method, why in res.get("unsupported", {}).items():
-        lines.append(f"\nNot measured: {method} draft sampling ({why}).")
+        lines.append(f"\nNot measured: draft sampling `{method}` ({why}).")
+    if res.get("live_matrix"):
+        temps = res.get("temperatures") or [res["temperature"]]
+        lines += ["", f"### The A/B at every temperature and draft sampling (informational: the live checks above "
+                  f"use T={res['temperature']:g})", "",
+                  f"Temperature{'s' if len(temps) > 1 else ''} {', '.join(f'{t:g}' for t in temps)}; servers "
+                  f"{compile_mode(res.get('compiled'))}; speedup = tok/s over no speculation at the same temperature "
+                  "and concurrency.", "", matrix_markdown(res["live_matrix"]).rstrip("\n")]
     return "\n".join(lines) + "\n"

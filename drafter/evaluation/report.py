@@ -1,6 +1,8 @@
 """The release report: one table a person reads after a run — released vs fine-tuned drafter,
-offline and live τ, tok/s at each concurrency against no speculation, the FP8 self-check, the EXL3
-form and the gate's verdict — assembled from the stage outputs in the store (no recomputation).
+offline and live τ, tok/s at each concurrency against no speculation (the A/B's primary measurement,
+then every temperature and draft sampling method it ran), eager or compiled servers, the FP8
+self-check, the EXL3 form and the gate's verdict — assembled from the stage outputs in the store (no
+recomputation).
 
 Example::
 
@@ -13,7 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from drafter.evaluation.ab_live import compile_mode, matrix, matrix_markdown, matrix_rows, parse_summary, primary
+from drafter.evaluation.gate import offline_rule
+
 LABELS = {"none": "no speculation", "baseline": "released", "candidate": "fine-tuned"}
+RULE_NAMES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
 
 
 def _skipped(stage: dict) -> bool:
@@ -37,18 +43,20 @@ def _f(v: Any, fmt: str = "{:.3f}") -> str:
 
 
 def acceptance_table(ab: dict, ev: dict | None) -> str:
-    """Markdown: per drafter, offline τ (at the live K and rule), live τ, tok/s per concurrency, speedup at 1 user."""
+    """Markdown: per drafter, offline τ (at the live K and rule), live τ, tok/s per concurrency and speedup, at the
+    A/B's primary measurement (the lowest temperature, greedy drafts)."""
     k = ab["num_speculative_tokens"]
-    rule = "t0" if ab.get("temperature", 0.0) == 0 else "t1_greedy"
-    conc = sorted({r["concurrency"] for r in ab["runs"]})
-    summ = ab["summary"]
+    t0, m0 = primary(ab)
+    rule = offline_rule(t0, m0)
+    summ = parse_summary(ab)
+    conc = sorted({key[3] for key in summ})
 
     def row(drafter: str) -> dict:
-        method = "none" if drafter == "none" else "greedy"
-        return {c: summ.get(f"{drafter}/{method}/c{c}") for c in conc}
+        method = "none" if drafter == "none" else m0
+        return {c: summ.get((t0, drafter, method, c)) for c in conc}
 
     ref = row("none")
-    head = ["drafter", f"offline τ ({'T=0' if rule == 't0' else 'T=1'}, K={k})", "live τ"]
+    head = ["drafter", f"offline τ ({RULE_NAMES[rule]}, K={k})", f"live τ (T={t0:g})"]
     head += [f"tok/s @{c} user{'s' if c > 1 else ''}" for c in conc] + [f"speedup @{c}" for c in conc]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d in ("none", "baseline", "candidate"):
@@ -71,23 +79,21 @@ def acceptance_table(ab: dict, ev: dict | None) -> str:
 def decode_line(ab: dict) -> str | None:
     """Decode speed at the smallest concurrency from vLLM's request histograms (prefill excluded), per
     drafter with its ratio to no speculation, and the mean time to first token; None without them."""
-    summ = ab["summary"]
-    c = min(r["concurrency"] for r in ab["runs"])
-    ref = (summ.get(f"none/none/c{c}") or {}).get("decode_tok_s")
+    summ = parse_summary(ab)
+    t0, m0 = primary(ab)
+    c = min(key[3] for key in summ)
+    ref = (summ.get((t0, "none", "none", c)) or {}).get("decode_tok_s")
     if not ref:
         return None
     cells = [f"no speculation {ref:.1f} tok/s"]
     for d in ("baseline", "candidate"):
-        x = (summ.get(f"{d}/greedy/c{c}") or {}).get("decode_tok_s")
+        x = (summ.get((t0, d, m0, c)) or {}).get("decode_tok_s")
         if x:
             cells.append(f"{LABELS[d]} {x:.1f} ({x / ref:.2f}×)")
-    ttft = (summ.get(f"none/none/c{c}") or {}).get("ttft_mean_s")
+    ttft = (summ.get((t0, "none", "none", c)) or {}).get("ttft_mean_s")
     users = f"{c} user{'s' if c > 1 else ''}"
     return (f"Decode only at {users} (vLLM's request histograms, the prompt's prefill excluded): " + "; ".join(cells)
             + (f"; mean time to first token {ttft:.2f} s" if ttft is not None else "") + ".\n")
-
-
-RULE_NAMES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
 
 
 def block_table(ev: dict) -> str:
@@ -144,6 +150,11 @@ def release_report(summary: dict) -> str:
     ev = _json(st.get("eval_offline"), "eval_offline.json")
     if ab:
         parts.append("### Acceptance and speed (vLLM)\n\n" + acceptance_table(ab, ev))
+        if sum(len(ms) for ms in matrix(ab).values()) > 1:
+            parts.append("Every temperature and draft sampling method of the A/B (speedup over no speculation at the "
+                         "same temperature):\n\n" + matrix_markdown(matrix_rows(ab), LABELS))
+        if "compiled" in ab:
+            parts.append(f"A/B servers: {compile_mode(ab['compiled'])}.\n")
         ll = ab.get("lossless") or {}
         if ll:
             parts.append(f"Lossless at T=0: {ll.get('identical')}/{ll.get('prompts')} prompts identical with and "

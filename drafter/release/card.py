@@ -209,31 +209,31 @@ def _offline(cfg, inputs, k: int) -> dict:
 
 
 def _live(cfg, inputs, offline: dict) -> dict:
+    from drafter.evaluation.ab_live import compile_mode, parse_summary, primary, temperatures
+    from drafter.evaluation.gate import offline_rule
+
     ab, why = read_json(inputs, "ab_live", "ab_live.json")
     if ab is None:
         return {"ok": False, "reason": why}
-    summ = ab["summary"]
-    rows = []
-    none_tok = {}
-    for key, s in summ.items():
-        drafter, method, c = key.split("/")
-        if drafter == "none":
-            none_tok[c] = s["tok_s"]
+    summ = parse_summary(ab)
+    names = {"none": "no speculation", "baseline": _baseline_name(cfg, inputs), "candidate": "fine-tuned"}
     order = {"none": 0, "baseline": 1, "candidate": 2}
-    for key in sorted(summ, key=lambda x: (int(x.split("/")[2][1:]), order.get(x.split("/")[0], 9), x)):
-        drafter, method, c = key.split("/")
+    rows = []
+    for key in sorted(summ, key=lambda x: (x[0], x[3], order.get(x[1], 9), x[2])):
+        t, drafter, method, c = key
         s = summ[key]
-        speedup = s["tok_s"] / none_tok[c] if none_tok.get(c) else None
-        rows.append({"drafter": {"none": "no speculation", "baseline": _baseline_name(cfg, inputs),
-                                 "candidate": "fine-tuned"}.get(drafter, drafter),
-                     "method": "—" if method == "none" else method, "users": c[1:],
-                     "tau": f3(s["tau"]), "tok_s": f2(s["tok_s"]), "speedup": f2(speedup),
+        none = (summ.get((t, "none", "none", c)) or {}).get("tok_s")
+        rows.append({"temperature": f"{t:g}", "drafter": names.get(drafter, drafter),
+                     "method": "—" if method == "none" else method, "users": c,
+                     "tau": f3(s["tau"]), "tok_s": f2(s["tok_s"]), "speedup": f2(s["tok_s"] / none if none else None),
                      "decode_tok_s": f2(s.get("decode_tok_s")), "ttft_s": f3(s.get("ttft_mean_s")),
                      "p50_s": f3(s.get("latency_p50_s")), "rounds": s.get("rounds")})
     serving = _stage_config(inputs, "ab_live", "serving", cfg)
     ab_cfg = _stage_config(inputs, "ab_live", "ab_live", cfg)
+    # an ab_live.json without ``compiled`` (older outputs) ran as serving.enforce_eager said
+    compiled = ab["compiled"] if "compiled" in ab else not serving.get("enforce_eager")
     args = ["--dtype", serving["dtype"], "--max-model-len", str(serving["max_model_len"])]
-    if serving.get("enforce_eager"):
+    if not compiled:
         args.append("--enforce-eager")
     args += [redact_local(a) for a in ab.get("server_args") or []]
     platform = None
@@ -243,22 +243,22 @@ def _live(cfg, inputs, offline: dict) -> dict:
         if m:
             platform = m.group(1)
             break
-    # live τ over the offline prediction at the live K, same rule (T=0 live ⇒ t0; else greedy drafts)
+    # live τ over the offline prediction at the live K and the matching rule, at the primary measurement
+    t0, m0 = primary(ab)
+    c_min = min((key[3] for key in summ), default=None)
+    live_tau = (summ.get((t0, "candidate", m0, c_min)) or {}).get("tau")
+    rule = offline_rule(t0, m0)
     ratio = None
-    cand = [s for k2, s in summ.items() if k2.startswith("candidate/")]
-    live_tau = min((s["tau"] for s in cand if s["tau"] is not None), default=None) if cand else None
-    c_min = min(int(k2.split("/")[2][1:]) for k2 in summ) if summ else None
-    live_cands = [s["tau"] for k2, s in summ.items() if k2.startswith("candidate/") and k2.endswith(f"/c{c_min}")]
-    live_tau = live_cands[0] if live_cands else live_tau
-    rule = "t0" if ab.get("temperature", 0) == 0 else "t1_greedy"
     k = ab["num_speculative_tokens"]
     if offline.get("ok") and live_tau is not None and 1 <= k <= offline["k_max"]:
         off = offline["raw"]["drafters"]["candidate"][rule]["tau_by_k"][k - 1]
-        ratio = {"live": f3(live_tau), "offline": f3(off), "ratio": f3(live_tau / off), "rule": RULES[rule], "k": k}
+        ratio = {"live": f3(live_tau), "offline": f3(off), "ratio": f3(live_tau / off), "rule": RULES[rule], "k": k,
+                 "temperature": f"{t0:g}", "method": m0}
     lossless = ab.get("lossless")
-    return {"ok": True, "rows": rows, "k": k, "method": ab["method"], "temperature": ab.get("temperature"),
+    temps = temperatures(ab)
+    return {"ok": True, "rows": rows, "k": k, "method": ab["method"], "temperatures": [f"{t:g}" for t in temps],
             "engine_version": ab.get("engine_version") or f"{NOT_MEASURED}: ab_live recorded no engine version",
-            "eager": "eager (--enforce-eager: no graph capture)" if serving.get("enforce_eager") else "compiled (CUDA graphs / torch.compile)",
+            "compiled": compiled, "eager": compile_mode(compiled),
             "server_args": shlex.join(args), "args_list": args, "rounds": ab_cfg.get("rounds"),
             "hardware": (hw_summary(ab["hardware"]) + (f", vLLM device `{platform}`" if platform else "")) if ab.get("hardware")
             else f"vLLM device `{platform}` (the engine's device_config in the server log; the machine is not recorded)" if platform
@@ -501,7 +501,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
                   "method": "dspark" if dspark else (ab or {}).get("method", cfg.ab_live.method),
                   "server_args": live["server_args"] if live.get("ok") else shlex.join(
                       ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]
-                      + (["--enforce-eager"] if cfg.serving.enforce_eager else [])
+                      + (["--enforce-eager"] if cfg.ab_live.eager(cfg.serving) else [])
                       + [redact_local(a) for a in cfg.ab_live.server_args])},
         "provenance": {"config_hash": config_hash, "stage_keys": keys, "version": version,
                        "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",

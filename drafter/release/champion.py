@@ -166,7 +166,13 @@ def _offline_tau(ev: dict, who: str, k: int) -> float | None:
 
 
 def _live(ab: dict | None, who: str) -> dict[str, Any]:
-    s = ((ab or {}).get("summary") or {}).get(f"{who}/greedy/c1") or {}
+    """Live τ and tok/s at 1 user of ``who`` at the A/B's primary measurement (lowest temperature, greedy drafts)."""
+    if not (ab or {}).get("summary"):
+        return {"tau_live": None, "tok_s_c1": None}
+    from drafter.evaluation.ab_live import parse_summary, primary
+
+    t, m = primary(ab)
+    s = parse_summary(ab).get((t, who, m, 1)) or {}
     return {"tau_live": s.get("tau"), "tok_s_c1": s.get("tok_s")}
 
 

