@@ -113,6 +113,15 @@ def test_ab_live_temperature_is_a_sorted_list_and_bad_values_are_named(tmp_path)
     with pytest.raises(ConfigError, match=r"ab_live\.draft_sample_methods: .*at least 1 item"):
         load_config(write(tmp_path, {"ab_live": {"draft_sample_methods": []}}))
     assert load_config(write(tmp_path, {})).ab_live.draft_sample_methods == ["greedy", "probabilistic"]
+    # the JSON schema (what a Prefect server checks a run's parameters against) takes one number or a list
+    import jsonschema
+
+    schema = ReleaseConfig.model_json_schema()
+    for ok in (0.7, [0, 1]):
+        jsonschema.validate({"ab_live": {"temperature": ok}}, schema)
+    for bad in (-1, [], [0, -1], "hot"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"ab_live": {"temperature": bad}}, schema)
 
 
 def test_ab_live_compiled_follows_serving_unless_set_and_keys_only_the_ab(tmp_path):

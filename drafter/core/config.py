@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from drafter.core.errors import ConfigError
 
@@ -447,6 +448,12 @@ class QuantizeExl3Config(Section):
         return v
 
 
+# A list of temperatures; the JSON schema (the Prefect form, the server's parameter check) also accepts one number,
+# as the validator does.
+Temperatures = Annotated[list[float], WithJsonSchema({"anyOf": [
+    {"type": "number", "minimum": 0}, {"type": "array", "items": {"type": "number", "minimum": 0}, "minItems": 1}]})]
+
+
 class AbLiveConfig(Section):
     """Live A/B in vLLM: the released vs the fine-tuned drafter, and no speculation as the speed reference."""
 
@@ -468,7 +475,7 @@ class AbLiveConfig(Section):
     max_tokens: int = Field(40, ge=1, description="Max new tokens per replayed turn. Short turns make the prompt's "
                             "prefill (not sped up by speculation) a larger share of each request; the demo replays at "
                             "generate.max_tokens (128).")
-    temperature: list[float] = Field(
+    temperature: Temperatures = Field(
         default_factory=lambda: [0.0], min_length=1,
         description="Sampling temperatures of the replay: a number or a list (each ≥ 0; sorted, duplicates dropped). "
         "Every drafter and draft sampling method is measured at each; the lowest gives the gate's live checks and the "
