@@ -121,6 +121,31 @@ def test_offline_block_evaluation_matches_the_library_and_counts_every_anchor(ds
     assert "Block drafting" in md and "Confidence head calibration" in md and "τ(K) / (1 + 1·" in md
 
 
+def test_offline_block_evaluation_on_the_users_heldout_file(dspark_store, tmp_path):
+    """heldout.files in place of the built-in split: the file's conversations are captured with the draft's
+    layers and evaluated; given the built-in split's own conversations (the same text), the same τ."""
+    from drafter.core.config import config_from_dict
+    from drafter.core.files import iter_rows
+    from drafter.stages import eval_offline
+
+    cfg, _, found, _ = dspark_store
+    built = json.loads((found["eval_offline"].path / "eval_offline.json").read_text())
+    held = [r for r in iter_rows(found["scrub"].path / "shards") if r["split"] == "heldout"]
+    f = tmp_path / "held.jsonl"
+    f.write_text("".join(json.dumps({k: r[k] for k in ("id", "domain", "messages")}) + "\n" for r in held))
+    out = tmp_path / "out"
+    out.mkdir()
+    eval_offline.run(config_from_dict(cfg.model_dump() | {"heldout": {"files": [str(f)]}}), found, out)
+    res = json.loads((out / "eval_offline.json").read_text())
+    assert res["heldout"]["source"] == "files" and res["heldout"]["conversations"] == len(held) == built["heldout"]["conversations"]
+    assert res["heldout"]["text"].startswith(f"user held-out files held.jsonl ({len(held)} conversations, sha256 ")
+    assert res["positions"] == built["positions"] and not (out / eval_offline.HELDOUT_FEATURES).exists()
+    for d in ("baseline", "candidate"):
+        for rule in ("t0", "t1_greedy", "t1_prob"):
+            assert res["drafters"][d][rule]["tau_by_k"] == pytest.approx(built["drafters"][d][rule]["tau_by_k"], abs=1e-4)
+    assert res["calibration"]["candidate"]["n"] == built["calibration"]["candidate"]["n"]
+
+
 def test_fp8_standin_dropin_verified_and_exl3_says_why_not(dspark_store):
     _, _, found, _ = dspark_store
     q = found["quantize_fp8"]

@@ -376,6 +376,26 @@ class AblationConfig(Section):
         "released / KL / LK table of the DeepSeek-V3 card).")
 
 
+class HeldoutConfig(Section):
+    """The held-out set `eval_offline` and `ab_live` measure on: the built-in held-out split (the default),
+    or the user's own held-out conversations (drafter/data/heldout.py)."""
+
+    files: list[str] = Field(
+        default_factory=list, description="JSONL/Parquet files of the user's own held-out chat conversations "
+        "(`messages` with the assistant answers, as `generate.user_files`), evaluated as written in place of the "
+        "built-in held-out split by eval_offline (teacher-forced on the target's features) and ab_live (their user "
+        "turns replayed); never trained on: a conversation also in the training data (same content hash) is an "
+        "error before any stage. Empty: the built-in held-out split.")
+
+    @field_validator("files")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        twice = sorted({f for f in v if v.count(f) > 1})
+        if twice:
+            raise ValueError(f"lists {twice} more than once; name each held-out file once")
+        return v
+
+
 class EvalOfflineConfig(Section):
     """Offline acceptance of the released (baseline) and fine-tuned (candidate) drafters on held-out windows."""
 
@@ -696,6 +716,8 @@ class ReleaseConfig(Section):
                                                description="Demo only: train the stand-in released drafter.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Fine-tuning the released drafter.")
     ablation: AblationConfig = Field(default_factory=AblationConfig, description="Fine-tunes with other losses for comparison.")
+    heldout: HeldoutConfig = Field(default_factory=HeldoutConfig, description="The held-out set eval_offline and "
+                                   "ab_live measure on (default: the built-in held-out split).")
     eval_offline: EvalOfflineConfig = Field(default_factory=EvalOfflineConfig, description="Offline acceptance on held-out windows.")
     quantize_fp8: QuantizeFp8Config = Field(default_factory=QuantizeFp8Config, description="The FP8 drop-in.")
     verify_fp8: VerifyFp8Config = Field(default_factory=VerifyFp8Config, description="Byte-level FP8 verification.")

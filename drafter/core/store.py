@@ -65,6 +65,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def file_fingerprints(paths: list[str], setting: str) -> list[dict[str, Any]]:
+    """Size + sha256 of each outside file a stage reads (``setting``: the config field naming them, for
+    errors) — a stage's :attr:`~drafter.core.stage.Stage.fingerprint`, so a changed file means a new key."""
+    from drafter.core.errors import BadInputError
+
+    fps = []
+    for f in paths:
+        p = Path(f).expanduser()
+        if not p.is_file():
+            raise BadInputError(f"{setting}: {p} does not exist; fix the path or remove it from the list")
+        fps.append({"path": str(f), "size": p.stat().st_size, "sha256": sha256_file(p)})
+    return fps
+
+
 def list_files(root: Path) -> dict[str, dict[str, Any]]:
     """Every file under ``root`` (except the manifest) with size and sha256, sorted by path."""
     files = {}

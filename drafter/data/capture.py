@@ -535,6 +535,27 @@ def capture_features(
     return res
 
 
+def capture_rows(model_dir: str | Path, rows: list[dict], out_dir: Path, c, *, what: str = "capture",
+                 model=None) -> CaptureResult:
+    """Tokenize conversation rows with the target's chat template and capture their features into
+    ``out_dir/<split>/`` with the settings of ``c`` (a :class:`~drafter.core.config.CaptureConfig`: layers,
+    dtype, max_seq_len, batch and shard sizes, disk margin), showing progress as ``what``. The `capture`
+    stage does this for the scrubbed conversations, `eval_offline` for the user's held-out files.
+    ``model``: the target already loaded (:func:`load_target_model`), else it is loaded here."""
+    from transformers import AutoTokenizer
+
+    from drafter.core.progress import progress
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    with progress(f"{what}: tokenize", total=len(rows), unit="rows") as bar:
+        seqs = tokenize_rows(tokenizer, rows, c.max_seq_len, on_row=lambda: bar.advance(1))
+    if model is None:
+        model = load_target_model(model_dir)
+    with progress(what, total=sum(len(s) for s in seqs), unit="tok") as bar:
+        return capture_features(model, seqs, out_dir, layers=c.layers, dtype=c.dtype, batch_tokens=c.batch_tokens,
+                                shard_tokens=c.shard_tokens, min_free_margin=c.min_free_margin, on_tokens=bar.advance)
+
+
 # --------------------------------------------------------------------------- reading
 
 

@@ -26,14 +26,18 @@ line naming the file:line, key or value at fault and what to do.
 4. prompt files (``generate.user_files``): exist, readable, UTF-8 (file:line of the first bad
    byte), JSONL/Parquet, the ``messages`` schema (file:line and key), unique ids — by reading
    them exactly as the generate stage does (:func:`drafter.data.prompts.build_prompts`);
-5. the held-out split is not empty, and the train half a training stage uses is not empty —
+5. the user's held-out files (``heldout.files``), when `eval_offline` or `ab_live` is needed: read exactly as
+   those stages read them (:func:`drafter.data.heldout.load_heldout`: file:line of a malformed row), and no
+   held-out conversation is also a training conversation (content hash; :func:`drafter.data.heldout.
+   check_not_trained_on` names the file:line and how many overlap);
+6. the held-out split is not empty, and the train half a training stage uses is not empty —
    computed exactly as the pipeline splits (the prompts' own split, :func:`drafter.data.windows.row_part`);
-6. the store: root creatable and writable, no file where a stage's directory should be;
+7. the store: root creatable and writable, no file where a stage's directory should be;
    outputs already in the store are readable (manifest parses, file sizes match);
-7. serving, for stages still to run that start an engine: the serving python exists, is
+8. serving, for stages still to run that start an engine: the serving python exists, is
    executable and has vLLM (``launcher: subprocess``), ``docker`` is on PATH (``launcher:
    docker``); ``ab_live`` cannot use ``launcher: url``;
-8. conversation lengths, when the target is already in the store: every prompt rendered with the
+9. conversation lengths, when the target is already in the store: every prompt rendered with the
    target's chat template must fit ``serving.max_model_len − generate.max_tokens`` tokens
    (:func:`drafter.data.generate.check_prompt_lengths`; the generate stage repeats this check itself
    before it starts a server).
@@ -52,6 +56,8 @@ from drafter.core.errors import BadInputError, ConfigError, StoreError
 
 # stages that read the held-out split (evaluation windows, the A/B's replayed turns)
 NEEDS_HELDOUT = ("bootstrap_drafter", "train", "eval_offline", "ab_live")
+# stages that read the user's held-out files (heldout.files) in place of the built-in held-out split
+HELDOUT_FILE_READERS = ("eval_offline", "ab_live")
 
 
 @dataclass
@@ -95,6 +101,7 @@ def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_sou
     _check_settings(cfg, needed)
     _check_target(cfg, needed)
     convs = _read_prompts(cfg)
+    _check_heldout_files(cfg, convs, needed)
     _check_store_root(cfg, needed)
     todo, target_art = _outputs_todo(cfg, stages, needed, check_outputs)
     if single and stages:
@@ -201,15 +208,39 @@ def _read_prompts(cfg: ReleaseConfig) -> list:
     try:
         return build_prompts(cfg.generate)
     except BadInputError as e:
-        msg = str(e)
-        # say what to do, unless the message already does (save as UTF-8, use .jsonl, give an id, …)
-        if "generate.user_files" not in msg and not re.search(r";\s*(save|use|give|add|fix|check)\b", msg):
-            msg += "; fix the file or remove it from generate.user_files"
-        raise BadInputError(msg) from None
+        raise _what_to_do(e, "generate.user_files") from None
+
+
+def _what_to_do(e: BadInputError, setting: str) -> BadInputError:
+    """A file's error saying what to do, unless the message already does (save as UTF-8, use .jsonl, give an id, …)."""
+    msg = str(e)
+    if setting not in msg and not re.search(r";\s*(save|use|give|add|fix|check)\b", msg):
+        msg += f"; fix the file or remove it from {setting}"
+    return BadInputError(msg)
+
+
+def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> None:
+    """The user's held-out files: readable and well-formed, and never trained on (before the stage keys,
+    which fingerprint them, are computed)."""
+    if not cfg.heldout.files or not any(s in needed for s in HELDOUT_FILE_READERS):
+        return
+    from drafter.data.heldout import check_not_trained_on, load_heldout
+
+    for f in cfg.heldout.files:
+        p = Path(f).expanduser()
+        if p.is_file() and not os.access(p, os.R_OK):
+            raise BadInputError(f"held-out file {p}: not readable (permission denied); check its permissions "
+                                "or remove it from heldout.files")
+    try:
+        heldout = load_heldout(cfg.heldout.files)
+    except BadInputError as e:
+        raise _what_to_do(e, "heldout.files") from None
+    check_not_trained_on(heldout, convs)
 
 
 def _check_splits(cfg: ReleaseConfig, convs: list, todo: list[str]) -> None:
-    users = [t for t in NEEDS_HELDOUT if t in todo]
+    # with heldout.files, eval_offline and ab_live measure on those instead of the built-in split
+    users = [t for t in NEEDS_HELDOUT if t in todo and not (cfg.heldout.files and t in HELDOUT_FILE_READERS)]
     if not users:
         return
     g = cfg.generate

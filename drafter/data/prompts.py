@@ -22,7 +22,8 @@ Properties the pipeline relies on:
 User files (JSONL or Parquet) hold one conversation per row in a ``messages`` column/key, and
 optionally ``id``, ``domain`` and ``split`` (``train``/``heldout``). Rows without ``split`` are
 split by a hash of their id (the id defaults to a hash of the messages, so it does not depend on
-the file name or row order).
+the file name or row order). Read with ``keep_answers=True`` (the user's held-out files,
+:mod:`drafter.data.heldout`), the assistant turns are kept as written: they are the text evaluated.
 
 Example::
 
@@ -447,8 +448,9 @@ def _builtin_split(seed: int, domain: str, j: int, fraction: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize_messages(msgs: Any, where: str) -> tuple[dict, ...]:
-    """Validate user messages; assistant contents become placeholders (they are regenerated)."""
+def _normalize_messages(msgs: Any, where: str, keep_answers: bool = False) -> tuple[dict, ...]:
+    """Validate user messages; assistant contents become placeholders (they are regenerated), or, with
+    ``keep_answers``, stay as written (each must be a non-empty string: the answer evaluated)."""
     if not isinstance(msgs, list) or not msgs:
         raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
     out: list[dict] = []
@@ -467,16 +469,24 @@ def _normalize_messages(msgs: Any, where: str) -> tuple[dict, ...]:
                 raise BadInputError(f"{where}: messages[{i}].content ({role}) must be a non-empty string, got {_short(content)}")
             out.append({"role": role, "content": content})
         else:
+            if keep_answers and (not isinstance(content, str) or not content.strip()):
+                raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a non-empty string, got "
+                                    f"{_short(content)}; held-out conversations are evaluated as written, so give "
+                                    "each assistant turn its answer (or drop the turn)")
             if content is not None and not isinstance(content, str):
                 raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a string or null, got {_short(content)}")
             if out and out[-1]["role"] == "assistant":
                 raise BadInputError(f"{where}: messages[{i}] is a second assistant message in a row")
             if not out or out[-1]["role"] == "system":
                 raise BadInputError(f"{where}: messages[{i}] is an assistant message before any user message")
-            out.append({"role": "assistant", "content": None})
+            out.append({"role": "assistant", "content": content if keep_answers else None})
     if not any(m["role"] == "user" for m in out):
         raise BadInputError(f"{where}: the conversation has no user message")
-    if out[-1]["role"] != "assistant":
+    if keep_answers:
+        if not any(m["role"] == "assistant" for m in out):
+            raise BadInputError(f"{where}: the conversation has no assistant answer to evaluate; add the answers "
+                                "(held-out conversations are evaluated as written)")
+    elif out[-1]["role"] != "assistant":
         out.append({"role": "assistant", "content": None})  # answer the last user turn too
     return tuple(out)
 
@@ -497,15 +507,15 @@ def _name_shown(v: Any) -> str:
     return _short(v)
 
 
-def _user_row(row: Any, where: str, heldout_fraction: float, source: str) -> Conversation:
+def _user_row(row: Any, where: str, heldout_fraction: float, source: str, keep_answers: bool = False) -> Conversation:
     if not isinstance(row, dict):
         raise BadInputError(f"{where}: each row must be an object with a `messages` list, got {_short(row)}")
     if "messages" not in row:
         raise BadInputError(f"{where}: row has no `messages` field (keys: {', '.join(_name_shown(k) for k in row) or 'none'})")
-    msgs = _normalize_messages(row["messages"], where)
+    msgs = _normalize_messages(row["messages"], where, keep_answers)
     rid = row.get("id")
-    if rid is None:
-        rid = "user-" + hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()[:16]
+    if rid is None:  # the hash of the messages as regenerated: kept answers do not change a row's id
+        rid = "user-" + hashlib.sha256(json.dumps(placeholder_answers(msgs), sort_keys=True).encode()).hexdigest()[:16]
     elif not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
         raise BadInputError(f"{where}: `id` must be a non-empty string or integer, got {_short(rid)}")
     rid = str(rid)
@@ -520,18 +530,31 @@ def _user_row(row: Any, where: str, heldout_fraction: float, source: str) -> Con
     return Conversation(id=rid, domain=domain, split=split, messages=msgs, source=source, origin=where)
 
 
-def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125) -> list[Conversation]:
+def placeholder_answers(messages: Iterable[dict]) -> list[dict]:
+    """``messages`` as the `generate` stage sees them: every assistant content a placeholder (``None``),
+    and a placeholder answer after a last user turn — the form ids and content hashes are taken of, so a
+    conversation read with its answers kept (a held-out file) hashes like the same one read for training."""
+    out = [{"role": m["role"], "content": None if m["role"] == "assistant" else m["content"]} for m in messages]
+    if out and out[-1]["role"] != "assistant":
+        out.append({"role": "assistant", "content": None})
+    return out
+
+
+def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_answers: bool = False,
+                   setting: str = "generate.user_files") -> list[Conversation]:
     """Conversations from a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
     Each row needs ``messages`` (a list of ``{role, content}``; in Parquet a list of structs or a JSON
     string); optional ``id``, ``domain``, ``split``. Bad rows raise :class:`BadInputError` (a
     :class:`StageError`) naming the file, the line (JSONL) or row (Parquet), and the problem; each
-    conversation's ``origin`` is that same ``file:line`` / ``file row N``.
+    conversation's ``origin`` is that same ``file:line`` / ``file row N``. ``keep_answers``: the
+    assistant turns are kept as written (each must have its text) instead of becoming placeholders;
+    ``setting`` is the config field the file came from, named in errors.
     """
     path = Path(path).expanduser()
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise BadInputError(f"prompt file {path} {what}; fix the path in generate.user_files")
+        raise BadInputError(f"prompt file {path} {what}; fix the path in {setting}")
     suffix = path.suffix.lower()
     convs: list[Conversation] = []
     if suffix in (".jsonl", ".json", ".ndjson"):
@@ -554,7 +577,7 @@ def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125) -> list
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise BadInputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                convs.append(_user_row(row, where, heldout_fraction, str(path)))
+                convs.append(_user_row(row, where, heldout_fraction, str(path), keep_answers))
     elif suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
 
@@ -572,12 +595,12 @@ def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125) -> list
                     row["messages"] = json.loads(row["messages"])
                 except json.JSONDecodeError as e:
                     raise BadInputError(f"{where}: `messages` is a string but not valid JSON ({e.msg})") from None
-            convs.append(_user_row(row, where, heldout_fraction, str(path)))
+            convs.append(_user_row(row, where, heldout_fraction, str(path), keep_answers))
     else:
         raise BadInputError(f"prompt file {path}: unknown format {suffix!r}; use .jsonl or .parquet")
     if not convs:
         raise BadInputError(f"prompt file {path} has no conversations; add rows with `messages`, or remove it from "
-                            "generate.user_files")
+                            f"{setting}")
     return convs
 
 

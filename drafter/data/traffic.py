@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter.core.errors import BadInputError
-from drafter.data.prompts import Conversation, load_user_file
+from drafter.data.prompts import Conversation, load_user_file, placeholder_answers
 
 LEDGER = "traffic-seen.txt"
 
 
 def conversation_hash(conv: Conversation) -> str:
     """The content hash of a conversation: its messages (roles and texts; assistant turns are regenerated,
-    so their text does not count), not its id or file."""
-    return hashlib.sha256(json.dumps(list(conv.messages), sort_keys=True).encode()).hexdigest()
+    so their text does not count: :func:`~drafter.data.prompts.placeholder_answers`), not its id or file.
+    A held-out conversation read with its answers hashes like the same conversation read for training."""
+    return hashlib.sha256(json.dumps(placeholder_answers(conv.messages), sort_keys=True).encode()).hexdigest()
 
 
 @dataclass

@@ -634,6 +634,10 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
                  f"{', '.join(f'{t:g}' for t in temps)}, vLLM {result.get('engine_version')}, servers "
                  f"{compile_mode(result.get('compiled'))}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
                  + (f" Every server ran with `{' '.join(result['server_args'])}`." if result.get("server_args") else ""))
+    replay = result.get("replay") or {}
+    if replay.get("heldout"):
+        lines.append(f"Replayed: {replay['turns']} turns of {replay['conversations']} conversations of the "
+                     f"{replay['heldout']['text']}.")
     ll = result.get("lossless")
     if ll:
         verdict = "identical" if ll["ok"] else "DIFFERENT"

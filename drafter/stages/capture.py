@@ -19,18 +19,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafter.data.capture import FORMAT, capture_features, hidden_tensor_names, load_target_model, tokenize_rows
+from drafter.data.capture import FORMAT, capture_rows, hidden_tensor_names
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards, remove_partial_files, write_json_atomic
 from drafter.core.errors import StageError
-from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir, target_info
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
-    from transformers import AutoTokenizer
-
     c = cfg.capture
     model_dir = target_dir(inputs["prepare_target"])
     src = inputs["scrub"].path / "shards"
@@ -39,22 +36,11 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         raise StageError(f"scrub output {src} has no shard-*.jsonl files")
     remove_partial_files(out)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rows = list(iter_rows(src))
-    with progress("capture: tokenize", total=len(rows), unit="rows") as bar:
-        seqs = tokenize_rows(tokenizer, rows, c.max_seq_len, on_row=lambda: bar.advance(1))
-    del rows
-    if not seqs:
+    if not rows:
         raise StageError(f"scrub output {src} has no conversations")
-
-    model = load_target_model(model_dir)
-    total = sum(len(s) for s in seqs)
-    with progress("capture", total=total, unit="tok") as bar:
-        res = capture_features(
-            model, seqs, out / "features",
-            layers=c.layers, dtype=c.dtype, batch_tokens=c.batch_tokens, shard_tokens=c.shard_tokens,
-            min_free_margin=c.min_free_margin, on_tokens=bar.advance,
-        )
+    res = capture_rows(model_dir, rows, out / "features", c)
+    del rows
 
     metrics = res.metrics()
     write_json_atomic(out / "report.json", {

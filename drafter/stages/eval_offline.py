@@ -5,6 +5,12 @@ Inputs: the target (its LM head and, to measure the draft cost, the model), the 
 features (never trained on), the conversations (`scrub`: each row's domain and thinking mode), the
 released drafter (`bootstrap_drafter`'s tensors, or the MTP layer inside the target when it was
 skipped) and the fine-tuned one (`train`'s ``mtp-trained.safetensors``).
+The held-out set: the built-in held-out split (`capture`'s ``features/heldout``), or, with
+``heldout.files``, the user's own conversations (:mod:`drafter.data.heldout`) — read, scrubbed with
+``cfg.scrub``'s rules, then captured here as the `capture` stage would (its settings, the same layers:
+:func:`drafter.data.capture.capture_rows`) into ``heldout-features/`` inside the in-progress
+directory, which is removed once the windows are loaded (a retry resumes from its finished shards).
+The files' size + sha256 are part of the key.
 Computes: each drafter unrolled ``k_max`` steps over every held-out window; α per draft position
 under the three rules (T=0; T=1 with greedy and with probabilistic drafts), τ(K) for K = 1..k_max
 from the chain products; bootstrap intervals over conversations; the same per domain and per mode;
@@ -13,22 +19,24 @@ configured) and the K maximizing the expected speed τ(K) / (1 + K·cost).
 With ``dspark.enabled``: the released and fine-tuned DSpark drafts at every eligible anchor (τ per
 block at K = 1..block size, the same intervals, domains, modes and paired difference, cost of one
 block pass) and each confidence head's calibration (ECE, ``reliability.png``).
-Writes: ``eval_offline.json`` (see :func:`drafter.evaluation.offline.evaluate`), ``eval_offline.md``,
-``tau_vs_k.png``, ``acceptance_per_position.png``.
+Writes: ``eval_offline.json`` (see :func:`drafter.evaluation.offline.evaluate`; ``heldout`` records which
+held-out set was used), ``eval_offline.md``, ``tau_vs_k.png``, ``acceptance_per_position.png``.
 Reports: τ at every K per rule and drafter (``tau_<rule>_k<K>_<drafter>``), α per position, the
 recommended K per drafter and its expected speedup, the draft cost.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from drafter.data.capture import load_target_model
+from drafter.data.capture import capture_rows, load_target_model
+from drafter.data.heldout import SETTING as HELDOUT_SETTING, describe_builtin, fingerprint, user_heldout
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards, write_json_atomic
-from drafter.core.errors import StageError
+from drafter.core.errors import BadInputError, StageError
 from drafter.evaluation.acceptance import window_block_alphas
 from drafter.evaluation.calibration import plot_reliability, reliability
 from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_block_cost,
@@ -44,7 +52,40 @@ from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
 
 
-def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, labels: dict, t_start: float) -> Metrics:
+HELDOUT_FEATURES = "heldout-features"  # the user's held-out files captured (removed once loaded)
+
+
+def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tokens: int,
+             feature_layers: list[int] | tuple[int, ...] = ()):
+    """(windows, labels of their conversations, the record of the held-out set, the target model if it was
+    loaded): the built-in held-out split as `capture` stored it, or the user's ``heldout.files`` captured now."""
+    c = cfg.eval_offline
+    if not cfg.heldout.files:
+        conv_dir = inputs["scrub"].path / "shards"
+        if not list_shards(conv_dir):
+            raise StageError(f"scrub output {conv_dir} has no shard-*.jsonl files (needed for domains and modes)")
+        rows = list(iter_rows(conv_dir))
+        windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=min_tokens,
+                               max_windows=c.max_windows, feature_layers=feature_layers)
+        return windows, conversation_labels(rows), describe_builtin(sum(r.get("split") == "heldout" for r in rows)), None
+    rows, info = user_heldout(cfg)
+    model_dir = target_dir(inputs["prepare_target"])
+    target = load_target_model(model_dir)
+    features = out / HELDOUT_FEATURES
+    capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target)
+    try:
+        windows = load_windows(features, "heldout", "all", c.window, min_tokens=min_tokens, max_windows=c.max_windows,
+                               feature_layers=feature_layers)
+    except StageError as e:
+        raise BadInputError(f"{HELDOUT_SETTING}: no conversation of the {info['text']} has a window of at least "
+                            f"{min_tokens} tokens (capture.max_seq_len={cfg.capture.max_seq_len}); add longer "
+                            "conversations or lower eval_offline.k_max") from e
+    shutil.rmtree(features)
+    # the target stays loaded only when it is needed again (to measure the draft cost)
+    return windows, conversation_labels(rows), info, target if c.draft_cost is None else None
+
+
+def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_start: float) -> Metrics:
     """The block-drafting evaluation: both DSpark drafts at every eligible anchor (block of
     ``dspark.block_size``), the same intervals, domains, modes and paired difference, plus each
     confidence head's calibration (reliability bins, ECE, ``reliability.png``)."""
@@ -62,8 +103,7 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, labe
     K = drafts["candidate"].cfg.block_size
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
     embed = target_embedding(model_dir)
-    windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=K + 2, max_windows=c.max_windows,
-                           feature_layers=capture_layers(drafts["candidate"].cfg))
+    windows, labels, heldout, target = _heldout(cfg, inputs, out, K + 2, capture_layers(drafts["candidate"].cfg))
     conf = {n: ([], []) for n, d in drafts.items() if d.confidence_head is not None}
 
     def alphas_fn(win):
@@ -79,19 +119,20 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, labe
     with progress("eval_offline", total=len(windows), unit="windows") as bar:
         held = heldout_alphas(drafts, head, windows, K, on_window=bar.advance, alphas_fn=alphas_fn)
     if held.positions == 0:
-        raise StageError(f"capture {inputs['capture'].path}: no held-out anchor has a block of {K} assistant tokens "
+        raise StageError(f"{heldout['text']}: no held-out anchor has a block of {K} assistant tokens "
                          "after it (capture longer conversations)")
     eval_seconds = time.monotonic() - t_start
     cost = None
     if c.draft_cost is None:
-        target = load_target_model(model_dir)
+        target = target if target is not None else load_target_model(model_dir)
         longest = max(windows, key=lambda w: len(w.input_ids))
         cost = measure_block_cost(target, drafts["candidate"], embed, head, longest, repeats=c.cost_repeats)
-        del target
+    del target
     draft_cost = cost["ratio"] if cost else c.draft_cost
     res = evaluate(held, labels, draft_cost=draft_cost, draft_cost_measured=cost is not None,
                    samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule, block=True)
     res["windows"] = len(windows)
+    res["heldout"] = heldout
     if cost:
         res["draft_cost_timing"] = cost
     calibration = {n: reliability(torch.cat(cs), torch.cat(ys)) for n, (cs, ys) in conf.items() if cs}
@@ -125,6 +166,7 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, labe
 
 def _metrics(res: dict, windows: int, positions: int, draft_cost: float, measured: bool) -> Metrics:
     metrics: Metrics = {"windows": windows, "positions": positions, "conversations": res["conversations"],
+                        "heldout": res["heldout"]["source"], "heldout_conversations": res["heldout"]["conversations"],
                         "draft_cost": round(draft_cost, 4), "draft_cost_measured": measured}
     for name, d in res["drafters"].items():
         for rule, s in d.items():
@@ -137,18 +179,11 @@ def _metrics(res: dict, windows: int, positions: int, draft_cost: float, measure
     return metrics
 
 
-def _labels(inputs: dict[str, Artifact]) -> dict:
-    conv_dir = inputs["scrub"].path / "shards"
-    if not list_shards(conv_dir):
-        raise StageError(f"scrub output {conv_dir} has no shard-*.jsonl files (needed for domains and modes)")
-    return conversation_labels(iter_rows(conv_dir))
-
-
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     c = cfg.eval_offline
     t_start = time.monotonic()
     if cfg.dspark.enabled:
-        return _run_dspark(cfg, inputs, out, _labels(inputs), t_start)
+        return _run_dspark(cfg, inputs, out, t_start)
     model_dir = target_dir(inputs["prepare_target"])
     candidate = inputs["train"].path / TRAINED_NAME
     if not candidate.is_file():
@@ -157,28 +192,27 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)),
                 "candidate": load_drafter(model_dir, layout, weights=candidate)}
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
-    windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=c.k_max + 2,
-                           max_windows=c.max_windows)
-    labels = _labels(inputs)
+    windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2)
 
     with progress("eval_offline", total=len(windows), unit="windows") as bar:
         held = heldout_alphas(drafters, head, windows, c.k_max, on_window=bar.advance)
     if held.positions == 0:
-        raise StageError(f"capture {inputs['capture'].path}: no held-out position has {c.k_max} assistant tokens "
+        raise StageError(f"{heldout['text']}: no held-out position has {c.k_max} assistant tokens "
                          f"after it (lower eval_offline.k_max or capture longer conversations)")
     eval_seconds = time.monotonic() - t_start
 
     cost = None
     if c.draft_cost is None:
-        target = load_target_model(model_dir)
+        target = target if target is not None else load_target_model(model_dir)
         longest = max(windows, key=lambda w: len(w.input_ids))
         cost = measure_draft_cost(target, drafters["candidate"], longest, repeats=c.cost_repeats)
-        del target
+    del target
     draft_cost = cost["ratio"] if cost else c.draft_cost
 
     res = evaluate(held, labels, draft_cost=draft_cost, draft_cost_measured=cost is not None,
                    samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule)
     res["windows"] = len(windows)
+    res["heldout"] = heldout
     if cost:
         res["draft_cost_timing"] = cost
     write_json_atomic(out / "eval_offline.json", res)
@@ -194,10 +228,12 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="eval_offline",
-    version="1",
+    version="2",  # 2: the held-out set recorded (`heldout`); heldout.files (the user's, captured here)
     inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
-    sections=("eval_offline", "baseline", "dspark"),
+    # capture: the settings the user's held-out files are captured with; scrub: the rules they are scrubbed with
+    sections=("eval_offline", "heldout", "baseline", "dspark", "capture", "scrub"),
     run=run,
+    fingerprint=fingerprint,
     description="Offline acceptance (τ vs K, α per position, bootstrap CIs, per domain/mode) of the released "
                 "vs the fine-tuned drafter; recommended K",
 )

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import remove_partial_files, write_json_atomic
-from drafter.core.errors import BadInputError, StageError
+from drafter.core.errors import StageError
 from drafter.data.generate import (
     OpenAIChatBackend,
     TransformersBackend,
@@ -46,7 +46,7 @@ from drafter.data.generate import (
 from drafter.data.prompts import build_prompts
 from drafter.data.scrub import scrub_conversations, scrubber_for
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.core.store import sha256_file
+from drafter.core.store import file_fingerprints
 from drafter.models.target import chat_template_text, target_dir, target_info
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,7 @@ def _count(items) -> dict[str, int]:
 
 def fingerprint(cfg: ReleaseConfig) -> list[dict]:
     """User prompt files are read from outside the store: their size + sha256 go into the key."""
-    fps = []
-    for f in cfg.generate.user_files:
-        p = Path(f).expanduser()
-        if not p.is_file():
-            raise BadInputError(f"generate.user_files: {p} does not exist; fix the path or remove it from the list")
-        fps.append({"path": str(f), "size": p.stat().st_size, "sha256": sha256_file(p)})
-    return fps
+    return file_fingerprints(cfg.generate.user_files, "generate.user_files")
 
 
 STAGE = Stage(

@@ -1,0 +1,128 @@
+"""The user's own held-out set (``heldout.files``): JSONL/Parquet chat conversations, with their assistant
+answers, that `eval_offline` and `ab_live` measure on in place of the built-in held-out split.
+
+* **Read as the prompt files are** (:func:`drafter.data.prompts.load_user_file` with ``keep_answers``): the
+  same schema and the same file:line errors, but the assistant turns are kept as written — they are the
+  text evaluated (teacher-forced: the target's distribution on it), never regenerated. Every row is held
+  out (a row marked ``split: train`` is an error); ids are unique across the files.
+* **Never trained on** (:func:`check_not_trained_on`): each conversation's content hash
+  (:func:`drafter.data.traffic.conversation_hash`, the retrain ledger's hash) against every training
+  conversation — the train split of the built-in prompts and of ``generate.user_files``, which holds both
+  the bootstrap's and the fine-tune's half. An overlap is a :class:`~drafter.core.errors.BadInputError`
+  raised by preflight, before any stage, naming the held-out file:line, the training row and the count.
+* **Scrubbed before anything is written** (:func:`heldout_rows`): with ``cfg.scrub``'s rules, exactly as
+  the user's training conversations are (:func:`drafter.data.scrub.scrub_conversations`).
+* **Named in every report** (:func:`describe_builtin`, :func:`describe_files`): ``built-in held-out split
+  (96 conversations)`` or ``user held-out files chats.jsonl (40 conversations, sha256 0123456789abcdef…)``.
+* **Keyed**: the stages that read the files (`eval_offline`, `ab_live`) have :func:`fingerprint` (size +
+  sha256 of each file) in their key, so a changed file is measured again; `train` does not read them.
+
+Example::
+
+    convs = load_heldout(cfg.heldout.files)
+    check_not_trained_on(convs, build_prompts(cfg.generate))     # preflight
+    rows, info = user_heldout(cfg)           # scrubbed rows: what eval_offline captures and ab_live replays
+    info["text"]                             # 'user held-out files chats.jsonl (40 conversations, sha256 …)'
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from drafter.core.errors import BadInputError
+from drafter.data.prompts import Conversation, load_user_file
+
+if TYPE_CHECKING:
+    from drafter.core.config import ReleaseConfig
+    from drafter.data.scrub import Scrubber
+
+SETTING = "heldout.files"
+MODE = "default"  # rendered with the chat template's own defaults (no template arguments)
+
+
+def load_heldout(files: list[str]) -> list[Conversation]:
+    """The conversations of the held-out ``files``, in order, answers kept. Raises :class:`BadInputError`
+    naming the file:line (Parquet: ``file row N``) on a malformed row, a row marked ``split: train`` or an id
+    used twice (an identical conversation without an explicit id is kept once)."""
+    convs: list[Conversation] = []
+    seen: dict[str, Conversation] = {}
+    for f in files:
+        for c in load_user_file(f, heldout_fraction=1.0, keep_answers=True, setting=SETTING):
+            if c.split != "heldout":
+                raise BadInputError(f"{c.origin}: `split` is {c.split!r}, but every conversation of a held-out file "
+                                    f"({SETTING}) is held out; remove the field, or move the row to generate.user_files")
+            prev = seen.get(c.id)
+            if prev is not None:
+                if prev.messages == c.messages and c.id.startswith("user-"):
+                    continue  # the same conversation twice
+                raise BadInputError(f"held-out conversation id {c.id!r} appears twice: in {prev.origin} and in "
+                                    f"{c.origin}; give each conversation its own `id`")
+            seen[c.id] = c
+            convs.append(c)
+    return convs
+
+
+def check_not_trained_on(heldout: list[Conversation], prompts: list[Conversation]) -> None:
+    """Raise :class:`BadInputError` when a held-out conversation is also a training conversation (a
+    ``train``-split one of ``prompts``, :func:`drafter.data.prompts.build_prompts`), compared by content hash;
+    the message names the first such held-out file:line, the training row it repeats, and how many overlap."""
+    from drafter.data.traffic import conversation_hash
+
+    train: dict[str, Conversation] = {}
+    for c in prompts:
+        if c.split == "train":
+            train.setdefault(conversation_hash(c), c)
+    hits = [(h, train[k]) for h in heldout if (k := conversation_hash(h)) in train]
+    if not hits:
+        return
+    first, other = hits[0]
+    also = [h.origin for h, _ in hits[1:4]]
+    more = f", also {', '.join(also)}" + (" …" if len(hits) > 4 else "") if also else ""
+    raise BadInputError(
+        f"{first.origin}: this held-out conversation is also a training conversation "
+        f"({other.origin or f'built-in prompt {other.id}'}); {len(hits)} of the {len(heldout)} conversations of "
+        f"{SETTING} are in the train split{more}. A drafter must not be evaluated on what it was trained on: remove "
+        "them from the held-out file, or from generate.user_files")
+
+
+def heldout_rows(convs: list[Conversation], scrubber: "Scrubber") -> list[dict]:
+    """The held-out conversations as conversation rows (``id``, ``split: heldout``, ``domain``, ``mode``,
+    ``messages`` with the answers), scrubbed with ``scrubber`` first: the rows `eval_offline` captures and
+    `ab_live` replays (:func:`drafter.evaluation.ab_live.replay_turns`)."""
+    from drafter.data.scrub import scrub_conversations
+
+    convs, _, _ = scrub_conversations(convs, scrubber)
+    return [{"id": c.id, "split": "heldout", "domain": c.domain, "mode": MODE, "chat_template_kwargs": {},
+             "messages": [dict(m) for m in c.messages]} for c in convs]
+
+
+def fingerprint(cfg: "ReleaseConfig") -> list[dict]:
+    """Size + sha256 of each held-out file: part of the key of every stage that reads them."""
+    from drafter.core.store import file_fingerprints
+
+    return file_fingerprints(cfg.heldout.files, SETTING)
+
+
+def describe_builtin(conversations: int) -> dict:
+    """The record of a measurement on the built-in held-out split (``eval_offline.json`` / ``ab_live.json``)."""
+    return {"source": "builtin", "conversations": conversations,
+            "text": f"built-in held-out split ({conversations} conversations)"}
+
+
+def describe_files(fingerprints: list[dict], conversations: int) -> dict:
+    """The record of a measurement on the user's held-out files: their names (never the local path), sizes,
+    sha256 and the number of conversations read from them."""
+    files = [{"name": Path(f["path"]).name, "size": f["size"], "sha256": f["sha256"]} for f in fingerprints]
+    names = ", ".join(f["name"] for f in files)
+    shas = ", ".join(f["sha256"][:16] + "…" for f in files)
+    return {"source": "files", "conversations": conversations, "files": files,
+            "text": f"user held-out files {names} ({conversations} conversations, sha256 {shas})"}
+
+
+def user_heldout(cfg: "ReleaseConfig") -> tuple[list[dict], dict]:
+    """The scrubbed rows of ``heldout.files`` and their record (:func:`describe_files`)."""
+    from drafter.data.scrub import scrubber_for
+
+    fps = fingerprint(cfg)
+    convs = load_heldout(cfg.heldout.files)
+    return heldout_rows(convs, scrubber_for(cfg.scrub)), describe_files(fps, len(convs))
