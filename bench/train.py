@@ -2,20 +2,26 @@
 in the LM head (the part worth fusing or chunking) — the MTP step and the DSpark block step.
 
     .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
+                                    [--threads N] [--kinds mtp,dspark]
                                     [--block 5] [--anchors 64] [--markov-rank 64]
 
 Uses the demo store's target and captured features when present (run `make demo` first),
 otherwise the tiny test target with random windows. Measures, in one run, a full MTP training step
-(K-step unroll + loss + backward + AdamW) and the same step's LM-head work alone (the draft head
-forward/backward and the target head forward on the same shapes), and prints the ratio; then a
-DSpark step on the same windows (configs/demo-dspark.yaml's draft: one decoder layer over three
-target layers, blocks of ``--block``, ``--anchors`` per window, Markov and confidence heads; random
-context features when the capture has no such layers: their values do not change the step's cost).
-Each kind runs in its own process, so each peak memory (max RSS) is that step's own.
+(K-step unroll + loss + backward + AdamW) twice on the same windows from the same weights: the
+reference (transformers' own MoE forward: every routed expert and the shared expert computed) and the
+step as training runs it (the exact shortcuts of ``drafter.models.mtp.OnePassMoE``); it prints both
+tokens/s, their ratio and both paths' loss of every window (equal within float tolerance). Then the
+same step's LM-head work alone (the draft head forward/backward and the target head forward on the
+same shapes) and its share of the step. Then a DSpark step on the same windows
+(configs/demo-dspark.yaml's draft: one decoder layer over three target layers, blocks of ``--block``,
+``--anchors`` per window, Markov and confidence heads; random context features when the capture has
+no such layers: their values do not change the step's cost). Each kind runs in its own process, so
+each peak memory (max RSS) is that step's own (the MTP one holds two drafters and two optimizers).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import resource
 import sys
@@ -94,25 +100,7 @@ def _child(kind: str, argv: list[str], q) -> None:
     q.put(main(kind))
 
 
-def main(kind: str | None = None) -> dict | None:
-    if kind is None:  # the parent: each kind in its own process, then the table
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        res = {}
-        for k in ("mtp", "dspark"):
-            q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(k, sys.argv[1:], q))
-            p.start()
-            res[k] = q.get()
-            p.join()
-        m, d = res["mtp"], res["dspark"]
-        print(f"\n{'step':<34}{'s/step':>9}{'tokens/s':>10}{'peak RSS MiB':>14}")
-        print(f"{'MTP (K-step unroll, lk_hybrid)':<34}{m['s_step']:>9.3f}{m['tok_s']:>10,.0f}{m['peak_mb']:>14,.0f}")
-        print(f"{'DSpark (block loss, ce_l1)':<34}{d['s_step']:>9.3f}{d['tok_s']:>10,.0f}{d['peak_mb']:>14,.0f}")
-        print(f"\nDSpark / MTP: tokens/s {d['tok_s'] / m['tok_s']:.2f}×, peak memory {d['peak_mb'] / m['peak_mb']:.2f}× "
-              f"({d['what']}; {d['trainable']:,} parameters)")
-        return None
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--window", type=int, default=256)
@@ -123,7 +111,35 @@ def main(kind: str | None = None) -> dict | None:
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--markov-rank", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--kinds", default="mtp,dspark", help="steps to measure, comma-separated")
+    return ap.parse_args()
+
+
+def main(kind: str | None = None) -> dict | None:
+    if kind is None:  # the parent: each kind in its own process, then the table
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        res = {}
+        for k in parse_args().kinds.split(","):
+            q = ctx.Queue()
+            p = ctx.Process(target=_child, args=(k, sys.argv[1:], q))
+            p.start()
+            res[k] = q.get()
+            p.join()
+        if set(res) != {"mtp", "dspark"}:
+            return None
+        m, d = res["mtp"], res["dspark"]
+        print(f"\n{'step':<34}{'s/step':>9}{'tokens/s':>10}{'peak RSS MiB':>14}")
+        print(f"{'MTP (K-step unroll, lk_hybrid)':<34}{m['s_step']:>9.3f}{m['tok_s']:>10,.0f}{m['peak_mb']:>14,.0f}")
+        print(f"{'DSpark (block loss, ce_l1)':<34}{d['s_step']:>9.3f}{d['tok_s']:>10,.0f}{d['peak_mb']:>14,.0f}")
+        print(f"\nDSpark / MTP: tokens/s {d['tok_s'] / m['tok_s']:.2f}×, peak memory {d['peak_mb'] / m['peak_mb']:.2f}× "
+              f"({d['what']}; {d['trainable']:,} parameters)")
+        return None
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target, capture = find_demo()
     target, capture = args.target or target, args.capture or capture
@@ -147,27 +163,30 @@ def main(kind: str | None = None) -> dict | None:
         return dspark_step(args, target, wins, head)
     cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
     n_train, n_frozen = freeze(drafter, cfg.freeze)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)
+    drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward
+    paths = {"reference": drafter, "new": fast}
+    opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     print(f"target {target} (H={H}, V={V}); {source}; K={args.k}, window {args.window}, micro batch {args.micro_batch}; "
           f"{n_train:,} trainable parameters; torch threads {torch.get_num_threads()}")
 
-    def full_step(i: int) -> int:
-        toks = 0
+    def full_step(path: str, i: int) -> tuple[int, list[float]]:
+        d, opt, toks, losses = paths[path], opts[path], 0, []
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
-            loss, _ = window_loss(drafter, head, w, cfg, weights)
+            loss, _ = window_loss(d, head, w, cfg, weights)
             (loss / args.micro_batch).backward()
             toks += len(w.input_ids)
+            losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return toks
+        return toks, losses
 
     def head_only(i: int) -> None:
         """The LM-head work of one step: per window, the target head forward once, and per draft
         position the draft head forward + backward (input gradient) and the loss on [T, V]."""
-        shead = drafter.layers[0].shared_head
+        shead = fast.layers[0].shared_head
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
             T = len(w.input_ids)
@@ -182,26 +201,35 @@ def main(kind: str | None = None) -> dict | None:
                 loss, _ = L.lk_hybrid(q, p[: len(sel)])
                 loss.backward()
 
-    full_step(0)  # warm-up
+    for path in paths:  # warm-up, on windows the timed steps do not use
+        full_step(path, args.steps + 1)
     head_only(0)
-    rows = []
-    t_full, t_head, toks = 0.0, 0.0, 0
-    for i in range(1, args.steps + 1):  # interleaved so both see the same machine load
-        t0 = time.perf_counter()
-        toks += full_step(i)
-        t_full += time.perf_counter() - t0
+    t = {path: 0.0 for path in paths}
+    losses = {path: [] for path in paths}
+    t_head, toks = 0.0, 0
+    for i in range(args.steps):  # interleaved so that all see the same machine load
+        for path in paths:
+            t0 = time.perf_counter()
+            n, ls = full_step(path, i)
+            t[path] += time.perf_counter() - t0
+            losses[path] += ls
+        toks += n
         t0 = time.perf_counter()
         head_only(i)
         t_head += time.perf_counter() - t0
-    tok_s = toks / t_full
-    rows.append(("full training step", f"{t_full / args.steps:.3f}", f"{tok_s:,.0f}", "1.00"))
-    rows.append(("LM head + loss only", f"{t_head / args.steps:.3f}", "", f"{t_head / t_full:.2f}"))
-    print(f"\n{'part':<22}{'s/step':>10}{'tokens/s':>12}{'share':>8}")
-    for r in rows:
-        print(f"{r[0]:<22}{r[1]:>10}{r[2]:>12}{r[3]:>8}")
-    print(f"\npeak RSS: {peak_rss_mb():,.0f} MiB")
-    print(f"LM-head share of step time: {t_head / t_full:.2f} (the rest: unrolled MTP block, eh_proj, optimizer)")
-    return {"s_step": t_full / args.steps, "tok_s": tok_s, "peak_mb": peak_rss_mb()}
+    tok_s = {path: toks / t[path] for path in paths}
+    print(f"\n{'MTP step':<30}{'s/step':>10}{'tokens/s':>12}{'ratio':>8}")
+    for path, name in (("reference", "reference (all experts)"), ("new", "new (exact shortcuts)")):
+        print(f"{name:<30}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
+    print(f"{'LM head + loss only':<30}{t_head / args.steps:>10.3f}{'':>12}{'':>8}"
+          f"  share of the new step {t_head / t['new']:.2f}, of the reference {t_head / t['reference']:.2f}")
+    diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["reference"], losses["new"]))
+    print(f"\nloss per window ({len(losses['new'])} windows, {args.steps} optimizer steps on each path):")
+    print("  reference " + " ".join(f"{x:.6f}" for x in losses["reference"]))
+    print("  new       " + " ".join(f"{x:.6f}" for x in losses["new"]))
+    print(f"  largest relative difference {diff:.2e}")
+    print(f"\nnew / reference: tokens/s {tok_s['new'] / tok_s['reference']:.2f}×; peak RSS {peak_rss_mb():,.0f} MiB (both drafters)")
+    return {"s_step": t["new"] / args.steps, "tok_s": tok_s["new"], "peak_mb": peak_rss_mb()}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from drafter.models import (
     load_drafter,
     save_drafter,
 )
+from drafter.models.mtp import OnePassMoE
 from drafter.models.target import MTP_SHARD
 
 GLM = EmbeddedGlm4MoeLayout()
@@ -175,7 +176,8 @@ def test_load_embedded_target_mtp_layer_and_forward(tiny_target):
     c = _cfg(tiny_target)
     assert isinstance(drafter, MTPDrafter) and drafter.n_layers == 1 and drafter.mtp_start == c["num_hidden_layers"]
     assert type(drafter.layers[0].mtp_block).__name__ == "Glm4MoeDecoderLayer"
-    assert type(drafter.layers[0].mtp_block.mlp).__name__ == "Glm4MoeMoE"  # the served MoE block
+    mlp = drafter.layers[0].mtp_block.mlp  # the served MoE block, with its exact shortcuts
+    assert isinstance(mlp, OnePassMoE) and mlp.general_cls.__name__ == "Glm4MoeMoE"
     assert not drafter.recycle_normed
     ids = torch.randint(0, c["vocab_size"], (2, 7))
     hidden, logits = drafter.forward_step(0, ids, torch.randn(2, 7, c["hidden_size"]))
@@ -479,3 +481,108 @@ def test_freeze_defaults_and_patterns(tiny_target):
     assert n_frozen == 2 * H * H + V * H
     assert drafter.embed_tokens.weight.requires_grad  # patterns replace the defaults
     assert freeze(drafter, []) == (total, 0)
+
+
+# ---------------------------------------------------------------------- exact shortcuts of the MoE MLP
+
+
+def _mlp_passes(drafter) -> dict:
+    """Counts of the routed-experts and shared-expert module calls (forward hooks on layer 0's MoE)."""
+    mlp, n = drafter.layers[0].mtp_block.mlp, {"routed": 0, "shared": 0}
+    mlp.experts.register_forward_hook(lambda *_: n.__setitem__("routed", n["routed"] + 1))
+    mlp.shared_experts.register_forward_hook(lambda *_: n.__setitem__("shared", n["shared"] + 1))
+    return n
+
+
+def _unroll_loss(drafter, shortcuts: bool, seed: int = 0, K: int = 3):
+    """A K-step unroll's loss and the gradient of every trainable parameter (None → zeros), with the
+    MoE shortcuts on or off; same inputs for the same seed."""
+    c = drafter.config
+    g = torch.Generator().manual_seed(seed)
+    ids, h = torch.randint(0, c.vocab_size, (1, 9), generator=g), torch.randn(1, 9, c.hidden_size, generator=g)
+    drafter.set_shortcuts(shortcuts)
+    drafter.zero_grad(set_to_none=True)
+    un = drafter.unroll(ids, h, K)
+    loss = sum(torch.log_softmax(l[m], -1)[:, :100].mean() for l, m in zip(un.logits, un.valid))
+    loss.backward()
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+             for n, p in drafter.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def _assert_same(a, b):
+    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6), (a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.allclose(a[1][k], b[1][k], rtol=1e-4, atol=1e-6), k
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_one_pass_moe_gives_the_general_paths_loss_and_gradients(tiny_target, scale):
+    """The embedded target's block (2 identical experts, top-2, zero shared expert): one routed pass,
+    no shared pass, and the same loss and gradients as transformers' own MoE forward (also with a
+    routed scaling factor, where the routing weights sum to it rather than to 1)."""
+    drafter = load_drafter(tiny_target, GLM)
+    freeze(drafter)
+    drafter.layers[0].mtp_block.mlp.gate.routed_scaling_factor = scale
+    passes = _mlp_passes(drafter)
+    ref = _unroll_loss(drafter, shortcuts=False)
+    assert passes == {"routed": 3, "shared": 3}
+    shared = [k for k in ref[1] if ".shared_experts." in k]
+    assert shared and all(not ref[1][k].any() for k in shared)  # zero in the general path: skipping it is exact
+    new = _unroll_loss(drafter, shortcuts=True)
+    assert passes == {"routed": 3, "shared": 3}  # neither module ran
+    _assert_same(ref, new)
+    assert ref[1]["layers.0.mtp_block.self_attn.q_proj.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["experts differ", "shared expert non-zero", "top-1 routing"])
+def test_one_pass_moe_falls_back_when_a_condition_fails(tiny_target, case):
+    drafter = load_drafter(tiny_target, GLM)
+    freeze(drafter)
+    mlp = drafter.layers[0].mtp_block.mlp
+    with torch.no_grad():
+        if case == "experts differ":
+            mlp.experts.down_proj[1, 0, 0] += 1e-3
+        elif case == "shared expert non-zero":
+            for p in mlp.shared_experts.parameters():
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    if case == "top-1 routing":
+        mlp.gate.top_k = 1
+    passes = _mlp_passes(drafter)
+    new = _unroll_loss(drafter, shortcuts=True)
+    assert passes == {"routed": 3 if case != "shared expert non-zero" else 0,
+                      "shared": 3 if case == "shared expert non-zero" else 0}
+    _assert_same(_unroll_loss(drafter, shortcuts=False), new)
+
+
+def test_one_pass_moe_keeps_trainable_experts_identical_only_while_routing_is_even(tiny_target):
+    """Trainable experts: in the general path expert e's gradient is Jᵀ(w_e·g), so the experts stay
+    identical exactly while every token weighs them equally (zero router). The one pass then gives each
+    expert the same gradient as the general path; a router that weighs them unequally falls back."""
+    drafter = load_drafter(tiny_target, GLM)
+    freeze(drafter, ["embed_tokens.*", "*.shared_head.head.*"])  # routed experts trainable
+    mlp = drafter.layers[0].mtp_block.mlp
+    passes = _mlp_passes(drafter)
+    ref = _unroll_loss(drafter, shortcuts=False)
+    new = _unroll_loss(drafter, shortcuts=True)
+    assert passes["routed"] == 3  # the reference's; the one pass did not call the experts module
+    _assert_same(ref, new)
+    for g in (ref[1], new[1]):  # both experts get the same gradient on both paths
+        for w in ("gate_up_proj", "down_proj"):
+            gw = g[f"layers.0.mtp_block.mlp.experts.{w}"]
+            assert gw[0].abs().sum() > 0 and torch.equal(gw[0], gw[1])
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    opt.step()  # with the one pass's gradients
+    assert torch.equal(mlp.experts.gate_up_proj[0], mlp.experts.gate_up_proj[1])
+    assert torch.equal(mlp.experts.down_proj[0], mlp.experts.down_proj[1])
+
+    with torch.no_grad():  # a trained router: uneven weights, the experts' gradients differ
+        mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=torch.Generator().manual_seed(4)))
+    ref = _unroll_loss(drafter, shortcuts=False)
+    n = passes["routed"]
+    new = _unroll_loss(drafter, shortcuts=True)
+    assert passes["routed"] == n + 3  # fell back
+    _assert_same(ref, new)
+    gw = new[1]["layers.0.mtp_block.mlp.experts.down_proj"]
+    assert not torch.allclose(gw[0], gw[1])

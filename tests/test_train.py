@@ -9,7 +9,7 @@ import torch
 
 from drafter.evaluation.acceptance import acceptance, summarize, target_logits
 from drafter.core.config import TrainConfig
-from drafter.models import EmbeddedGlm4MoeLayout, load_drafter
+from drafter.models import EmbeddedGlm4MoeLayout, freeze, load_drafter
 from drafter.models.target import read_tensor
 from drafter.training.loop import lr_at, train
 from drafter.data.windows import Window, row_part, window_order
@@ -66,6 +66,40 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_target, tiny_setup, tmp
     # (a random tiny target's greedy tokens are too arbitrary for T=0 gains in 40 steps; the demo
     # measures T=0 on the real model)
     assert res["final"]["t1_prob"]["tau"] > res["baseline"]["t1_prob"]["tau"]
+
+
+@pytest.mark.parametrize("frozen", [["embed_tokens.*", "*.mlp.experts.*", "*.shared_head.head.*"], ["embed_tokens.*"]],
+                         ids=["default-freeze", "experts-trained"])
+def test_exact_shortcuts_train_as_the_reference(tiny_target, tiny_setup, frozen):
+    """Steps of window_loss + AdamW with the MoE shortcuts (drafter/models/mtp.py OnePassMoE) and with
+    transformers' own MoE forward, from the same weights on the same windows: the same losses and
+    weights within float tolerance, routed experts frozen or trained."""
+    from drafter.training import losses as L
+    from drafter.training.loop import window_loss
+
+    train_w, _, head = tiny_setup
+    cfg = small_cfg(freeze=frozen)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    runs = {}
+    for shortcuts in (False, True):
+        d = load_drafter(tiny_target, EmbeddedGlm4MoeLayout())
+        freeze(d, cfg.freeze)
+        d.set_shortcuts(shortcuts)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=cfg.lr)
+        losses = []
+        for step in range(4):
+            for w in train_w[2 * step:2 * step + 2]:
+                loss, _ = window_loss(d, head, w, cfg, weights)
+                (loss / 2).backward()
+                losses.append(float(loss.detach()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[shortcuts] = losses, d.state_dict()
+    (ref, ref_sd), (new, new_sd) = runs[False], runs[True]
+    assert new == pytest.approx(ref, rel=1e-5)
+    assert all(torch.allclose(ref_sd[k], new_sd[k], rtol=1e-4, atol=1e-6) for k in ref_sd)
+    ex = new_sd["layers.0.mtp_block.mlp.experts.down_proj"]
+    assert torch.equal(ex[0], ex[1])  # still identical: the shortcut stayed exact throughout
 
 
 def test_kill_and_resume_gives_identical_weights(tiny_target, tiny_setup, tmp_path):

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Tensor = torch.Tensor
@@ -77,6 +78,81 @@ class SharedHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.head(self.norm(hidden))
+
+
+class OnePassMoE(nn.Module):
+    """The decoder block's MoE MLP (transformers' ``Glm4MoeMoE``, ``DeepseekV3MoE``: ``gate``, routed
+    ``experts``, ``shared_experts``), holding the same submodules under the same names, computed with two
+    exact shortcuts where they apply. The embedded target's MTP block is written as E identical routed
+    experts, every token routed to all of them, plus an all-zero shared expert (DESIGN.md, "The embedded
+    default"): three MLP passes whose sum is one.
+
+    * **One routed pass.** With ``top_k == E`` every token goes to every expert, so when the experts are
+      identical Σ_e w_e·expert_e(x) = (Σ_e w_e)·expert_0(x): one pass instead of E. The routing weights
+      receive ⟨g, expert(x)⟩ each, as in the general path. Trainable experts: in the general path expert
+      e's gradient is Jᵀ(w_e·g) (J: the expert's Jacobian at x), so the experts get identical gradients,
+      and stay identical after a step, only if w_e is the same for every e at every token; the shortcut
+      is then taken with each expert receiving 1/E of the one pass's gradient, otherwise the general path.
+    * **No shared pass.** An all-zero shared expert (``down(act(gate(x))·up(x))``, no biases) outputs exactly
+      0 and its weights receive exactly zero gradient (each product has a zero factor), so it stays zero
+      under training; it is skipped (its parameters get no ``.grad``: AdamW leaves them at 0, as it would
+      with a zero gradient).
+
+    The conditions are checked at every forward (``torch.equal`` on the expert weights, ``any`` on the
+    shared expert's: a few ms against the block's pass), so a checkpoint or a training step that breaks
+    them runs the general path. ``shortcuts = False`` always runs transformers' own forward (the reference
+    of ``bench/train.py`` and the tests).
+    """
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.config = getattr(moe, "config", None)
+        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
+        self.general_cls = type(moe)  # transformers' class: its forward runs on these same submodules
+        self.shortcuts = True
+
+    def _one_pass_exact(self, topk_weights: Tensor) -> bool:
+        """Every token routed to every expert, the experts identical, and — when they are trained — the
+        routing weights equal at every token."""
+        ex = self.experts
+        if (getattr(self.gate, "top_k", None) != getattr(ex, "num_experts", -1) or not hasattr(ex, "gate_up_proj")
+                or getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False)
+                or not getattr(ex, "is_concatenated", True)):
+            return False
+        ws = (ex.gate_up_proj, ex.down_proj)
+        if not all(torch.equal(w[0], w[e]) for w in ws for e in range(1, ex.num_experts)):
+            return False
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return bool((topk_weights == topk_weights[:, :1]).all())
+        return True
+
+    def _zero_shared(self) -> bool:
+        return not any(p.any() for p in self.shared_experts.parameters())
+
+    def _one_pass(self, x: Tensor) -> Tensor:
+        """expert_0(x) as transformers' eager loop computes it; a trainable weight enters as
+        w_0 + Σ_e (w_e − sg[w_e]) / E: the value of w_0 (the experts are identical), 1/E of the gradient to each."""
+        ex = self.experts
+
+        def weight(w: Tensor) -> Tensor:
+            if not (w.requires_grad and torch.is_grad_enabled()):
+                return w[0]
+            return w[0].detach() + sum(w[e] - w[e].detach() for e in range(ex.num_experts)) / ex.num_experts
+
+        gate, up = F.linear(x, weight(ex.gate_up_proj)).chunk(2, dim=-1)
+        return F.linear(ex.act_fn(gate) * up, weight(ex.down_proj))
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if not self.shortcuts:
+            return self.general_cls.forward(self, hidden_states)
+        _, topk_weights, topk_indices = self.gate(hidden_states)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self._one_pass_exact(topk_weights):
+            routed = (self._one_pass(x) * topk_weights.sum(-1, keepdim=True)).to(x.dtype)
+        else:
+            routed = self.experts(x, topk_indices, topk_weights)
+        out = routed.view(hidden_states.shape)
+        return out if self._zero_shared() else out + self.shared_experts(hidden_states)
 
 
 class MTPLayer(nn.Module):
@@ -99,6 +175,9 @@ class MTPLayer(nn.Module):
         self.hnorm = norm_cls(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.mtp_block = decoder_layer_cls(config, layer_idx)
+        mlp = getattr(self.mtp_block, "mlp", None)
+        if all(hasattr(mlp, n) for n in ("gate", "experts", "shared_experts")):  # an MoE MLP
+            self.mtp_block.mlp = OnePassMoE(mlp)
         self.shared_head = SharedHead(H, config.vocab_size, norm_cls(H, eps=eps))
 
     def forward(
@@ -222,6 +301,13 @@ class MTPDrafter(nn.Module):
             )
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary_emb = rotary_cls(config)  # inv_freq is a non-persistent buffer: always real
+
+    def set_shortcuts(self, on: bool) -> None:
+        """Turn the exact shortcuts of :class:`OnePassMoE` on (the default) or off (transformers' own
+        forward everywhere: the reference computation)."""
+        for m in self.modules():
+            if isinstance(m, OnePassMoE):
+                m.shortcuts = on
 
     # ------------------------------------------------------------------ one step
 
