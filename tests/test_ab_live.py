@@ -135,6 +135,14 @@ def test_plan_matrix_runs_every_method_at_t_above_0_and_greedy_at_t0():
                                 ("baseline", "probabilistic", [1.0]), ("candidate", "greedy", [0.0, 1.0]),
                                 ("candidate", "probabilistic", [1.0])]
     assert ab_servers(plan, drafts_first=True)[-1] == ("none", None, [0.0, 1.0])
+    # baseline_at=gate: the released drafter only where the gate reads it (T=0, greedy): one server fewer
+    assert ab_servers(plan, baseline_at="gate") == [("none", None, [0.0, 1.0]), ("baseline", "greedy", [0.0]),
+                                                    ("candidate", "greedy", [0.0, 1.0]),
+                                                    ("candidate", "probabilistic", [1.0])]
+    assert ab_servers({0.5: ["probabilistic", "greedy"], 1.0: ["probabilistic", "greedy"]}, baseline_at="gate")[1] \
+        == ("baseline", "greedy", [0.5])
+    with pytest.raises(ValueError, match="baseline_at='some'"):
+        ab_servers(plan, baseline_at="some")
     # T=0 only (the demo): greedy alone, probabilistic not measured and why
     plan, unsup = plan_matrix(both, both, None, [0.0], "0.32.0")
     assert plan == {0.0: ["greedy"]} and list(unsup) == ["probabilistic"] and "temperature > 0" in unsup["probabilistic"]
@@ -217,6 +225,18 @@ def test_matrix_summary_flat_metrics_and_tables():
     assert md[-1] == "| 1 | probabilistic | fine-tuned | 1.600 | 10.4 | 41.6 | 1.30× | 1.30× |"
     assert md[5] == "| 1 | — | no speculation | — | 8.0 | 32.0 | 1.00× | 1.00× |"
     assert matrix_markdown([]) == ""
+    # baseline_at=gate: no released rows at T=1, its T=1 metrics are None, the table says why
+    runs_g = [r for r in runs if not (r["drafter"] == "baseline" and r["temperature"] == 1.0)]
+    res_g = result | {"runs": runs_g, "summary": summarize(runs_g), "baseline_at": "gate"}
+    mg = flat_metrics(res_g, [1, 8])
+    assert mg["speedup_c1_baseline"] == m["speedup_c1_baseline"] and mg["speedup_c1_baseline_t1_greedy"] is None
+    assert mg["speedup_c1_candidate_t1_probabilistic"] == 1.3 and mg["tau_live_baseline_t1_probabilistic"] is None
+    tg = ab_table(res_g, [1, 8])
+    assert [ln for ln in tg.splitlines() if ln.startswith("| 1 | baseline")] == []
+    assert "The released drafter ran at the gate's measurement only (T=0, greedy drafts; `ab_live.baseline_at: gate`)." in tg
+    assert "baseline_at" not in table
+    assert [(r["temperature"], r["draft_sample_method"], r["drafter"]) for r in matrix_rows(res_g)][3:] == [
+        (1.0, None, "none"), (1.0, "greedy", "candidate"), (1.0, "probabilistic", "candidate")]
 
 
 def test_lossless_check_finds_the_first_differing_token():

@@ -22,6 +22,26 @@ def test_demo_config_loads_with_profiles():
     assert quick.generate.num_prompts < cfg.generate.num_prompts
 
 
+def test_demo_profiles_full_and_default_sizes():
+    """The default demo is the 30-minute size; `full` is the old default (and shares its data stages with
+    the DSpark demo); the default's A/B is compiled at T=0 and T=1 with the released drafter at T=0 only."""
+    from drafter.core.pipeline import plan
+
+    def stage_key_of(c, stage):
+        return {p.stage.name: p.key for p in plan(c, only=[stage])}[stage]
+
+    cfg = load_config(ROOT / "configs/demo.yaml")
+    full = load_config(ROOT / "configs/demo.yaml", profile="full")
+    dspark = load_config(ROOT / "configs/demo-dspark.yaml")
+    assert cfg.generate.num_prompts < full.generate.num_prompts and cfg.train.max_steps < full.train.max_steps
+    assert cfg.ablation.losses == [] and full.ablation.losses == ["kl"]
+    assert cfg.ab_live.compiled is True and cfg.ab_live.temperature == [0.0, 1.0] and cfg.ab_live.baseline_at == "gate"
+    assert full.ab_live.baseline_at == "all" and full.ab_live.rounds == 2 and full.ab_live.compiled is True
+    for stage in ("prepare_target", "generate", "scrub"):
+        assert stage_key_of(full, stage) == stage_key_of(dspark, stage), stage
+        assert stage_key_of(cfg, stage) != stage_key_of(dspark, stage) or stage == "prepare_target", stage
+
+
 def test_unknown_field_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"generate\.temprature"):
         load_config(write(tmp_path, {"generate": {"temprature": 0.5}}))

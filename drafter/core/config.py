@@ -505,6 +505,11 @@ class AbLiveConfig(Section):
         None, description="The A/B's vLLM servers compiled (true: CUDA graphs / torch.compile) or eager (false: "
         "`--enforce-eager`); null follows `serving.enforce_eager`. Unlike `serving`, it does not re-key the generate "
         "stage. Recorded in ab_live.json, the report and the card.")
+    baseline_at: Literal["all", "gate"] = Field(
+        "all", description="Where the released drafter (the baseline) is measured: `all` — at every temperature and "
+        "draft sampling method, like the fine-tuned one; `gate` — only at the gate's temperature (the lowest, greedy "
+        "drafts), which saves a server start and its replays per other method and temperature (the fine-tuned "
+        "drafter and no speculation still run everywhere). Recorded in ab_live.json; the tables say what was left out.")
     lossless_prompts: int = Field(8, ge=0, description="Prompts checked for identical T=0 output with and without speculation.")
     request_timeout_s: float = Operational(300.0, gt=0, description="Timeout of one request.")
     server_args: list[str] = Field(

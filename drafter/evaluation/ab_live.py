@@ -245,17 +245,26 @@ def plan_matrix(wanted: list[str], engine_methods: list[str] | None, why: str | 
     return plan, out
 
 
-def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False) -> list[tuple[str, str | None, list[float]]]:
+def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
+               baseline_at: str = "all") -> list[tuple[str, str | None, list[float]]]:
     """One round: ``(drafter, draft sample method, temperatures)`` per server, in the fixed A B order.
 
     No speculation is one server, measured at every temperature; each drafter has one server per draft
     sampling method (a server setting), measured at the temperatures (a request parameter) where ``plan``
-    runs that method. ``drafts_first`` (DSpark) starts with the speculative servers, so an engine that
-    refuses the method says so at once.
+    runs that method. ``baseline_at="gate"`` (``ab_live.baseline_at``) keeps the baseline to the gate's
+    measurement only (the lowest temperature, greedy drafts where planned: :func:`primary`'s choice).
+    ``drafts_first`` (DSpark) starts with the speculative servers, so an engine that refuses the method
+    says so at once.
     """
+    if baseline_at not in ("all", "gate"):
+        raise ValueError(f"baseline_at={baseline_at!r}: expected 'all' or 'gate'")
     temps = sorted(plan)
     methods = list(dict.fromkeys(m for t in temps for m in plan[t]))
     spec = [(d, m, [t for t in temps if m in plan[t]]) for d in ("baseline", "candidate") for m in methods]
+    if baseline_at == "gate" and temps:
+        t0 = temps[0]
+        m0 = "greedy" if "greedy" in plan[t0] else (plan[t0] or [None])[0]
+        spec = [(d, m, [t0] if d == "baseline" else ts) for d, m, ts in spec if d != "baseline" or m == m0]
     none = [("none", None, temps)]
     return spec + none if drafts_first else none + spec
 
@@ -645,6 +654,9 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
                      + (f" (first mismatches: {ll['mismatches'][:3]})" if ll["mismatches"] else "") + ".")
     for m, why in (result.get("unsupported") or {}).items():
         lines.append(f"Not measured: draft sampling `{m}`: {why}.")
+    if result.get("baseline_at") == "gate" and len(_rows(s)) > 3:
+        lines.append(f"The released drafter ran at the gate's measurement only (T={min(temps):g}, greedy drafts; "
+                     "`ab_live.baseline_at: gate`).")
     return "\n".join(lines) + "\n"
 
 

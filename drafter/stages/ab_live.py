@@ -140,7 +140,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
-    servers = ab_servers(plan, drafts_first=drafts is not None)
+    servers = ab_servers(plan, drafts_first=drafts is not None, baseline_at=c.baseline_at)
     t_low = min(plan)
     lossless_method = plan[t_low][0]
     c_lossless = min(c.concurrency)
@@ -197,7 +197,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
     result = {
         "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperatures": c.temperature,
-        "compiled": compiled, "engine_version": version, "runs": runs, "summary": summarize(runs),
+        "compiled": compiled, "baseline_at": c.baseline_at, "engine_version": version, "runs": runs, "summary": summarize(runs),
         "plan": [{"temperature": t, "draft_sample_methods": ms} for t, ms in plan.items()],
         "lossless": lossless_check(ids["none"], ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
         "unsupported": unsupported,
