@@ -1,13 +1,18 @@
 """Speculative decoding in vLLM: tok/s with and without the MTP drafter on the same prompts.
 
-Serves the target twice with the same settings — without speculation, then with the drafter
-(``--speculative-config {"method": "mtp", "num_speculative_tokens": K}``) — and replays the same
-held-out turns through the `ab_live` code path (:func:`drafter.evaluation.ab_live.measure`). Reports tok/s of
-both, their ratio, τ from vLLM's counters, and the figure to beat: τ / (1 + K·draft_cost), the
-speedup if verifying K+1 tokens cost what decoding one does (only drafting costs extra).
-``draft_cost`` (one draft step / one target decode step) is measured here with transformers on the
-same machine — a single-token step with a KV cache for the target vs one MTP step with its output
-head for the drafter — or read from an eval_offline output (``--eval-offline DIR``).
+Serves the target with the same settings without speculation, with the drafter
+(``--speculative-config {"method": "mtp", "num_speculative_tokens": K, "draft_sample_method": …}``, one
+server per draft sampling method; at T=0 vLLM drafts greedily whatever the method, so only greedy runs
+there) and with the drafter at a second K, and replays the same held-out turns at each temperature
+(``--temperature 0,1``) through the `ab_live` code path (:func:`drafter.evaluation.ab_live.measure`).
+Reports tok/s, the ratio over no speculation (end to end and decode only), τ from vLLM's counters, and
+the figure to beat: τ / (1 + K·c), the speedup if verifying K+1 tokens cost what decoding one does
+(only drafting costs extra). ``c`` (one draft step / one target decode step) is measured on the
+servers themselves (at 1 user): the step time at K minus the step time at the second K, per draft
+position, over the no-speculation server's step time (decode time from vLLM's request histograms,
+prefill excluded) — so for compiled servers it is the compiled draft cost. The offline cost
+(transformers, eager, or an eval_offline output with ``--eval-offline DIR``) is printed beside it;
+``--no-served-cost`` skips the second-K server and uses the offline one.
 
 By default everything follows the demo config (``configs/demo.yaml``; ``--config``/``--profile`` for
 another): the target, fine-tuned drafter and held-out turns are that config's own store outputs (run
@@ -128,6 +133,11 @@ def main() -> None:
     ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled servers (CUDA graphs / torch.compile) or, --no-compiled, eager (--enforce-eager) "
                          "(default: the config's ab_live.compiled, else its serving.enforce_eager)")
+    ap.add_argument("--temperature", default="0,1", help="temperatures, comma-separated (default 0,1)")
+    ap.add_argument("--draft-sample-methods", default="greedy,probabilistic",
+                    help="vLLM draft_sample_method of the drafter's servers, comma-separated (T>0 only, except greedy)")
+    ap.add_argument("--no-served-cost", action="store_true",
+                    help="skip the server at a second K that measures the served draft cost c (then c is the offline one)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -148,57 +158,112 @@ def main() -> None:
     serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], serving_python(serving), compiled)
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
+    temps = [float(t) for t in args.temperature.split(",")]
+    methods = [m for m in args.draft_sample_methods.split(",") if m]
+    k_cost = args.k - 1 if args.k > 1 else 2  # the second K whose step time gives the served draft cost
+    servers = [("no speculation", None, temps, 0)]
+    for m in methods:  # at T=0 vLLM drafts greedily whatever the method: only greedy runs there
+        ts = [t for t in temps if t > 0 or m == "greedy"]
+        if ts:
+            servers.append((f"mtp {m}", {**spec, "draft_sample_method": m}, ts, args.k))
+    if not args.no_served_cost:
+        servers.append((f"mtp K={k_cost}", {**spec, "num_speculative_tokens": k_cost, "draft_sample_method": "greedy"},
+                        [min(temps)], k_cost))
+
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
         served = drafter_model_dir(model_dir, drafter_file, Path(tmp) / "served") if drafter_file else model_dir
-        for name, sc in (("no speculation", None), ("mtp", spec)):
-            with serve(served, serving, speculative_config=sc, log_path=Path(tmp) / f"{name[:4]}.log") as srv:
+        for name, sc, ts, k in servers:
+            print(f"[bench] serving {name} ({compile_mode(compiled)}) …", flush=True)
+            log = Path(tmp) / f"{name.replace(' ', '_').replace('=', '')}.log"
+            with serve(served, serving, speculative_config=sc, log_path=log) as srv:
                 measure(srv, turns[:1], concurrency=1, max_tokens=8, temperature=0.0)  # warm-up
-                r = measure(srv, turns, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=0.0,
-                            k=args.k if sc else 0)
-                r["startup_s"], r["engine_version"] = srv.startup_s, srv.engine_version
-                res[name] = r
+                for t in ts:
+                    r = measure(srv, turns, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=t, k=k)
+                    r["startup_s"], r["engine_version"], r["k"] = srv.startup_s, srv.engine_version, k
+                    res[(name, t)] = r
+                    print(f"[bench] {name} T={t:g}: {r['tok_s']:.2f} tok/s, τ {r['tau'] or '—'} "
+                          f"(server start {srv.startup_s:.0f} s)", flush=True)
 
     if args.eval_offline is None and not args.target and not args.run:
         own = stage_output(cfg, "eval_offline")  # the config's own evaluation, where it has run
         args.eval_offline = own if (own / "eval_offline.json").is_file() else None
     if args.eval_offline:
         ev = json.loads((args.eval_offline / "eval_offline.json").read_text())
-        draft_cost, source = float(ev["draft_cost"]), f"eval_offline ({'measured' if ev.get('draft_cost_measured') else 'configured'})"
+        offline_cost, source = float(ev["draft_cost"]), f"eval_offline ({'measured' if ev.get('draft_cost_measured') else 'configured'})"
     else:
-        draft_cost, source = measure_draft_cost(model_dir, drafter_file), "measured here (transformers, 1 token)"
+        offline_cost, source = measure_draft_cost(model_dir, drafter_file), "measured here (transformers, eager, 1 token)"
 
-    base, mtp = res["no speculation"], res["mtp"]
-    ratio = mtp["tok_s"] / base["tok_s"]
-    tau = mtp["tau"] or 1.0
-    bound = tau / (1 + args.k * draft_cost)
-    print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
-          f"{base['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"T=0, {serving.dtype}, servers {compile_mode(compiled)}"
-          f"{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
-    print("| config          | K | tokens | seconds | tok/s  | τ     | latency p50 s | TTFT s | decode tok/s |")
-    print("|-----------------|---|--------|---------|--------|-------|---------------|--------|--------------|")
-    for name, r, k in (("no speculation", base, 0), ("mtp", mtp, args.k)):
-        t = "—" if r["tau"] is None else f"{r['tau']:.3f}"
+    def step_s(r: dict, k: int) -> float | None:
+        """Seconds per decode step at 1 user: decode time (vLLM's histograms, prefill excluded) over the decode
+        steps — a step per token without speculation, a step per draft proposal with it (the proposal made
+        right after each prefill is not a decode step)."""
         srv = r.get("server") or {}
-        ttft = "—" if srv.get("ttft_mean_s") is None else f"{srv['ttft_mean_s']:.3f}"
-        dec = "—" if srv.get("decode_tok_s") is None else f"{srv['decode_tok_s']:.2f}"
-        print(f"| {name:<15} | {k} | {r['output_tokens']:>6} | {r['seconds']:>7.1f} | {r['tok_s']:>6.2f} | {t:<5} | "
-              f"{r['latency_s']['p50']:>13.2f} | {ttft:>6} | {dec:>12} |")
-    acc = [round(a / mtp["num_drafts"], 3) for a in mtp["accepted_per_pos"]] if mtp["num_drafts"] else []
-    print(f"\nacceptance per draft position: {acc}")
-    print(f"ratio mtp / no speculation: {ratio:.2f}x")
-    dec_b, dec_m = (base.get("server") or {}).get("decode_tok_s"), (mtp.get("server") or {}).get("decode_tok_s")
-    if dec_b and dec_m:
-        print(f"decode only (vLLM's request histograms, prefill excluded): {dec_m / dec_b:.2f}x")
-    print(f"figure to beat τ / (1 + K·draft_cost) = {tau:.3f} / (1 + {args.k}·{draft_cost:.3f}) = {bound:.2f}x "
-          f"(draft_cost {source}); achieved {ratio / bound:.0%} of it")
+        dec = srv.get("decode_s")
+        steps = (r["num_drafts"] - r["requests"]) if k else (r["output_tokens"] - r["requests"])
+        return dec / steps if dec and steps > 0 else None
+
+    t_min = min(temps)
+    base0 = res[("no speculation", t_min)]
+    served_cost = overhead = None
+    if args.concurrency == 1 and not args.no_served_cost and ("mtp greedy", t_min) in res:
+        t_target = step_s(base0, 0)
+        t_k, t_kc = step_s(res[(f"mtp greedy", t_min)], args.k), step_s(res[(f"mtp K={k_cost}", t_min)], k_cost)
+        if t_target and t_k and t_kc:
+            # one more draft position costs one draft step (plus one more token to verify): the served c
+            served_cost = (t_k - t_kc) / ((args.k - k_cost) * t_target)
+            # what a speculative step costs beyond the target step and its K draft positions: verifying K+1
+            # tokens instead of 1, the first draft pass over the accepted tokens, sampling and bookkeeping
+            overhead = (t_k - t_target) / t_target - args.k * served_cost
+            print(f"\nserved draft cost ({compile_mode(compiled)}): step {t_k * 1e3:.1f} ms at K={args.k}, "
+                  f"{t_kc * 1e3:.1f} ms at K={k_cost}, {t_target * 1e3:.1f} ms without speculation ⇒ "
+                  f"c = {served_cost:.3f} of a target step (offline, {source}: {offline_cost:.3f}); the rest of a "
+                  f"speculative step, o = {overhead:.3f} of a target step, is not drafting: with it the speedup model "
+                  f"τ/(1+o+K·c) breaks even at τ = {1 + overhead + args.k * served_cost:.3f} and reaches 1.3x at "
+                  f"τ = {1.3 * (1 + overhead + args.k * served_cost):.3f}")
+    cost = served_cost if served_cost is not None else offline_cost
+    cost_src = f"served, {compile_mode(compiled)}" if served_cost is not None else source
+
+    print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
+          f"{base0['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
+          f"{serving.dtype}, servers {compile_mode(compiled)}"
+          f"{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
+    print("| T | config            | K | tokens | seconds | tok/s  | τ     | TTFT s | decode tok/s | speedup | decode speedup | bound τ/(1+K·c) | share reached |")
+    print("|---|-------------------|---|--------|---------|--------|-------|--------|--------------|---------|----------------|-----------------|---------------|")
+    summary = []
+    for (name, t), r in res.items():
+        base = res[("no speculation", t)]
+        k = r["k"]
+        srv, bsrv = r.get("server") or {}, base.get("server") or {}
+        ratio = r["tok_s"] / base["tok_s"]
+        dec_ratio = (srv["decode_tok_s"] / bsrv["decode_tok_s"]) if srv.get("decode_tok_s") and bsrv.get("decode_tok_s") else None
+        bound = (r["tau"] or 1.0) / (1 + k * cost) if k else None
+        row = {"temperature": t, "config": name, "k": k, "tok_s": r["tok_s"], "tau": r["tau"], "speedup": ratio,
+               "decode_speedup": dec_ratio, "bound": bound, "share": ratio / bound if bound else None,
+               "decode_share": dec_ratio / bound if bound and dec_ratio else None}
+        summary.append(row)
+        f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+        print(f"| {t:g} | {name:<17} | {k} | {r['output_tokens']:>6} | {r['seconds']:>7.1f} | {r['tok_s']:>6.2f} | "
+              f"{f(r['tau'], '.3f'):<5} | {f(srv.get('ttft_mean_s'), '.3f'):>6} | {f(srv.get('decode_tok_s'), '.2f'):>12} | "
+              f"{ratio:>6.2f}x | {f(dec_ratio, '.2f'):>13}x | {f(bound, '.2f'):>14}x | "
+              f"{f(row['share'], '.0%'):>5} ({f(row['decode_share'], '.0%')} decode) |")
+        if k and r["num_drafts"]:
+            print(f"|   |   acceptance per draft position {[round(a / r['num_drafts'], 3) for a in r['accepted_per_pos']]} |")
+    head = next((s for s in summary if s["temperature"] == t_min and s["config"] == "mtp greedy"), None)
+    if head:
+        print(f"\nT={t_min:g}, K={args.k}: {head['speedup']:.2f}x over no speculation (decode only "
+              f"{f(head['decode_speedup'], '.2f')}x); bound τ/(1+K·c) = {head['tau'] or 1:.3f} / (1 + {args.k}·{cost:.3f}) = "
+              f"{head['bound']:.2f}x (c {cost_src}); reached {head['share']:.0%} of it")
+        if head["bound"] < 1.3:
+            tau_need = 1.3 * (1 + args.k * cost)
+            c_need = ((head["tau"] or 1) / 1.3 - 1) / args.k
+            print(f"the bound is below 1.3x: it takes τ ≥ {tau_need:.3f} at this c, or c ≤ {c_need:.3f} at this τ")
     if args.json:
         args.json.write_text(json.dumps({
             "target": str(model_dir), "drafter": str(drafter_file) if drafter_file else None, "k": args.k,
             "concurrency": args.concurrency, "turns": len(turns), "max_tokens": args.max_tokens, "compiled": compiled,
-            "ratio": ratio, "tau": mtp["tau"], "draft_cost": draft_cost, "draft_cost_source": source, "bound": bound,
-            "runs": res}, indent=2) + "\n")
+            "draft_cost_served": served_cost, "step_overhead_served": overhead, "draft_cost_offline": offline_cost, "draft_cost_offline_source": source,
+            "summary": summary, "runs": {f"{n} T={t:g}": r for (n, t), r in res.items()}}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ otherwise the tiny test target with random windows. Measures, in one run, a full
 (K-step unroll + loss + backward + AdamW) twice on the same windows from the same weights: the
 reference (transformers' own MoE forward: every routed expert and the shared expert computed) and the
 step as training runs it (the exact shortcuts of ``drafter.models.mtp.OnePassMoE``); it prints both
-tokens/s, their ratio and both paths' loss of every window (equal within float tolerance). Then the
+tokens/s, their ratio and both paths' loss of every window (equal within float tolerance); a third path runs
+the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision. Then the
 same step's LM-head work alone (the draft head forward/backward and the target head forward on the
 same shapes) and its share of the step. Then a DSpark step on the same windows
 (configs/demo-dspark.yaml's draft: one decoder layer over three target layers, blocks of ``--block``,
 ``--anchors`` per window, Markov and confidence heads; random context features when the capture has
 no such layers: their values do not change the step's cost). Each kind runs in its own process, so
-each peak memory (max RSS) is that step's own (the MTP one holds two drafters and two optimizers).
+each peak memory (max RSS) is that step's own (the MTP one holds three drafters and three optimizers).
 """
 from __future__ import annotations
 
@@ -164,8 +165,9 @@ def main(kind: str | None = None) -> dict | None:
     cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
     n_train, n_frozen = freeze(drafter, cfg.freeze)
     fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)
+    bf16 = copy.deepcopy(drafter)  # the exact shortcuts under `train.dtype: bfloat16` (autocast): not exact
     drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward
-    paths = {"reference": drafter, "new": fast}
+    paths = {"reference": drafter, "new": fast, "bf16": bf16}
     opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     print(f"target {target} (H={H}, V={V}); {source}; K={args.k}, window {args.window}, micro batch {args.micro_batch}; "
@@ -175,7 +177,8 @@ def main(kind: str | None = None) -> dict | None:
         d, opt, toks, losses = paths[path], opts[path], 0, []
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
-            loss, _ = window_loss(d, head, w, cfg, weights)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "bf16"):
+                loss, _ = window_loss(d, head, w, cfg, weights)
             (loss / args.micro_batch).backward()
             toks += len(w.input_ids)
             losses.append(float(loss.detach()))
@@ -219,7 +222,8 @@ def main(kind: str | None = None) -> dict | None:
         t_head += time.perf_counter() - t0
     tok_s = {path: toks / t[path] for path in paths}
     print(f"\n{'MTP step':<30}{'s/step':>10}{'tokens/s':>12}{'ratio':>8}")
-    for path, name in (("reference", "reference (all experts)"), ("new", "new (exact shortcuts)")):
+    for path, name in (("reference", "reference (all experts)"), ("new", "new (exact shortcuts)"),
+                       ("bf16", "new, bf16 autocast (not exact)")):
         print(f"{name:<30}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
     print(f"{'LM head + loss only':<30}{t_head / args.steps:>10.3f}{'':>12}{'':>8}"
           f"  share of the new step {t_head / t['new']:.2f}, of the reference {t_head / t['reference']:.2f}")
@@ -228,7 +232,11 @@ def main(kind: str | None = None) -> dict | None:
     print("  reference " + " ".join(f"{x:.6f}" for x in losses["reference"]))
     print("  new       " + " ".join(f"{x:.6f}" for x in losses["new"]))
     print(f"  largest relative difference {diff:.2e}")
-    print(f"\nnew / reference: tokens/s {tok_s['new'] / tok_s['reference']:.2f}×; peak RSS {peak_rss_mb():,.0f} MiB (both drafters)")
+    d16 = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["reference"], losses["bf16"]))
+    print("  bf16      " + " ".join(f"{x:.6f}" for x in losses["bf16"]))
+    print(f"  bf16 autocast (`train.dtype: bfloat16`, an option, not the default): largest relative difference {d16:.2e}")
+    print(f"\nnew / reference: tokens/s {tok_s['new'] / tok_s['reference']:.2f}× (exact); bf16 autocast / reference "
+          f"{tok_s['bf16'] / tok_s['reference']:.2f}× (not exact); peak RSS {peak_rss_mb():,.0f} MiB (all three drafters)")
     return {"s_step": t["new"] / args.steps, "tok_s": tok_s["new"], "peak_mb": peak_rss_mb()}
 
 

@@ -37,6 +37,12 @@ def test_demo_profiles_full_and_default_sizes():
     assert cfg.ablation.losses == [] and full.ablation.losses == ["kl"]
     assert cfg.ab_live.compiled is True and cfg.ab_live.temperature == [0.0, 1.0] and cfg.ab_live.baseline_at == "gate"
     assert full.ab_live.baseline_at == "all" and full.ab_live.rounds == 2 and full.ab_live.compiled is True
+    # the default trains in bfloat16 autocast (bench/train.py: 1.5x the float32 step), full in float32
+    assert cfg.train.dtype == "bfloat16" and cfg.bootstrap_drafter.dtype == "float32"
+    assert full.train.dtype == full.bootstrap_drafter.dtype == "float32" and full.train.k_steps == 4
+    assert (cfg.verify_fp8.vllm_load, full.verify_fp8.vllm_load) == (False, True)
+    assert cfg.ab_live.max_tokens == full.ab_live.max_tokens == full.generate.max_tokens == 128
+    assert (cfg.ab_live.num_turns, full.ab_live.num_turns) == (8, 16)
     for stage in ("prepare_target", "generate", "scrub"):
         assert stage_key_of(full, stage) == stage_key_of(dspark, stage), stage
         assert stage_key_of(cfg, stage) != stage_key_of(dspark, stage) or stage == "prepare_target", stage

@@ -82,7 +82,7 @@ def test_quantize_then_verify(tiny, tmp_path, rule):
     vm = verify_fp8.STAGE.run(cfg, {"prepare_target": _inputs(tiny)["prepare_target"],
                                     "quantize_fp8": Artifact("quantize_fp8", "q", q_out)}, v_out)
     assert vm["blocks_differ"] == 0 and vm["blocks_identical"] + vm["blocks_edge"] == vm["blocks_total"] > 0
-    assert vm["dropin_keys_ok"] is True and vm["vllm_load"] == "skipped"
+    assert vm["dropin_keys_ok"] is True and vm["vllm_load"] == "skipped (verify_fp8.vllm_load: false)"
     assert "Part 1" in (v_out / "verify.md").read_text()
 
 

@@ -154,7 +154,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         raise StageError(f"FP8 drop-in {fp8_dir} failed its checks: " + "; ".join(doc["dropin"]["problems"][:10]))
     dspark = json.loads((Path(qa.path) / "release.json").read_text()).get("drafter") == "dspark"
     if not cfg.verify_fp8.vllm_load:
-        doc["vllm_load"] = "skipped"
+        doc["vllm_load"] = "skipped (verify_fp8.vllm_load: false)"
     elif dspark:  # the FP8 draft folder is served as method dspark, which vLLM 0.32 runs on GPUs only
         doc["vllm_load"] = "not run: a DSpark draft is served as vLLM's method dspark (GPUs only; bench/dspark_gpu.sh)"
     else:
