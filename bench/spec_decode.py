@@ -230,6 +230,9 @@ def main() -> None:
           f"{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
     print("| T | config            | K | tokens | seconds | tok/s  | τ     | TTFT s | decode tok/s | speedup | decode speedup | bound τ/(1+K·c) | share reached |")
     print("|---|-------------------|---|--------|---------|--------|-------|--------|--------------|---------|----------------|-----------------|---------------|")
+    def f(v, fmt: str) -> str:
+        return "—" if v is None else format(v, fmt)
+
     summary = []
     for (name, t), r in res.items():
         base = res[("no speculation", t)]
@@ -242,7 +245,6 @@ def main() -> None:
                "decode_speedup": dec_ratio, "bound": bound, "share": ratio / bound if bound else None,
                "decode_share": dec_ratio / bound if bound and dec_ratio else None}
         summary.append(row)
-        f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
         print(f"| {t:g} | {name:<17} | {k} | {r['output_tokens']:>6} | {r['seconds']:>7.1f} | {r['tok_s']:>6.2f} | "
               f"{f(r['tau'], '.3f'):<5} | {f(srv.get('ttft_mean_s'), '.3f'):>6} | {f(srv.get('decode_tok_s'), '.2f'):>12} | "
               f"{ratio:>6.2f}x | {f(dec_ratio, '.2f'):>13}x | {f(bound, '.2f'):>14}x | "

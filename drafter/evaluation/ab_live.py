@@ -252,7 +252,7 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
     No speculation is one server, measured at every temperature; each drafter has one server per draft
     sampling method (a server setting), measured at the temperatures (a request parameter) where ``plan``
     runs that method. ``baseline_at="gate"`` (``ab_live.baseline_at``) keeps the baseline to the gate's
-    measurement only (the lowest temperature, greedy drafts where planned: :func:`primary`'s choice).
+    measurement only (:func:`primary_of` the plan).
     ``drafts_first`` (DSpark) starts with the speculative servers, so an engine that refuses the method
     says so at once.
     """
@@ -262,8 +262,7 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
     methods = list(dict.fromkeys(m for t in temps for m in plan[t]))
     spec = [(d, m, [t for t in temps if m in plan[t]]) for d in ("baseline", "candidate") for m in methods]
     if baseline_at == "gate" and temps:
-        t0 = temps[0]
-        m0 = "greedy" if "greedy" in plan[t0] else (plan[t0] or [None])[0]
+        t0, m0 = primary_of(plan)
         spec = [(d, m, [t0] if d == "baseline" else ts) for d, m, ts in spec if d != "baseline" or m == m0]
     none = [("none", None, temps)]
     return spec + none if drafts_first else none + spec
@@ -508,13 +507,18 @@ def matrix(ab: dict) -> dict[float, list[str]]:
     return dict(sorted(out.items()))
 
 
-def primary(ab: dict) -> tuple[float, str]:
-    """``(temperature, method)`` of the primary measurement: the lowest temperature, greedy drafts when measured
-    there (else its first method). The gate checks it; the stage's plain metric names carry it."""
-    mx = matrix(ab)
-    t = min(mx) if mx else temperatures(ab)[0]
-    methods = mx.get(t) or ["greedy"]
+def primary_of(plan: dict[float, list[str]]) -> tuple[float, str]:
+    """``(temperature, method)`` of the primary measurement of a temperature → draft sampling methods plan: the
+    lowest temperature, greedy drafts when planned there (else its first method)."""
+    t = min(plan)
+    methods = plan[t] or ["greedy"]
     return t, "greedy" if "greedy" in methods else methods[0]
+
+
+def primary(ab: dict) -> tuple[float, str]:
+    """:func:`primary_of` an A/B result's measured matrix. The gate checks it; the stage's plain metric names
+    carry it."""
+    return primary_of(matrix(ab) or {temperatures(ab)[0]: []})
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -654,8 +658,10 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
                      + (f" (first mismatches: {ll['mismatches'][:3]})" if ll["mismatches"] else "") + ".")
     for m, why in (result.get("unsupported") or {}).items():
         lines.append(f"Not measured: draft sampling `{m}`: {why}.")
-    if result.get("baseline_at") == "gate" and len(_rows(s)) > 3:
-        lines.append(f"The released drafter ran at the gate's measurement only (T={min(temps):g}, greedy drafts; "
+    if result.get("baseline_at") == "gate" and any(d == "candidate" and (t, "baseline", m) not in rows
+                                                   for t, d, m in rows):
+        t0, m0 = primary(result)
+        lines.append(f"The released drafter ran at the gate's measurement only (T={t0:g}, {m0} drafts; "
                      "`ab_live.baseline_at: gate`).")
     return "\n".join(lines) + "\n"
 
