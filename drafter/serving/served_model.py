@@ -109,3 +109,19 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def linked_model_dir(target_dir: Path | str, out: Path | str) -> Path:
+    """Build ``out``: a directory of links to every file of ``target_dir`` — the target as it is, served
+    from another path (see :func:`drafter_model_dir`). Idempotent: an existing ``out`` is rebuilt."""
+    target_dir, out = Path(target_dir), Path(out)
+    if not (target_dir / "config.json").is_file():
+        raise StageError(f"{target_dir} has no config.json: not a model directory")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in target_dir.iterdir():
+        os.symlink(item.resolve(), tmp / item.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

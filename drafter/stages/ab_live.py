@@ -6,7 +6,8 @@ layer inside the target checkpoint) and the fine-tuned one (``train``).
 Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
 ``baseline``, ``candidate`` (one per draft sampling method the plan runs), same server build and
 settings (``serving`` plus ``ab_live.server_args``, eager or compiled by ``ab_live.compiled``),
-``ab_live.method`` / ``num_speculative_tokens`` — and replays the held-out multi-turn agent turns at each
+``ab_live.method`` / ``num_speculative_tokens``; every MTP server with a drafter serves the target and that
+drafter from one path, so a compiled server starts from the first one's compile cache — and replays the held-out multi-turn agent turns at each
 ``ab_live.temperature`` the server's method runs at (T=0: greedy only; T>0: every supported method) and
 each ``ab_live.concurrency`` (see :mod:`drafter.evaluation.ab_live`): output tok/s, latency per request,
 and vLLM's spec-decode counters before/after (τ, acceptance per draft position). Round 1's ``none`` and
@@ -54,7 +55,7 @@ from drafter.core.files import iter_rows, write_json_atomic
 from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
-from drafter.serving.served_model import drafter_model_dir
+from drafter.serving.served_model import drafter_model_dir, linked_model_dir
 from drafter.core.hardware import describe
 from drafter.models.dspark import DSPARK_DIR
 from drafter.serving.server import ServingError, engine_version, serve, serving_python
@@ -150,12 +151,19 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     server_info: list[dict] = []
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
-        if drafts is not None:
-            served = {"none": model_dir, "baseline": model_dir, "candidate": model_dir}
-        else:
-            served = {"none": model_dir, "candidate": drafter_model_dir(model_dir, candidate_file, Path(tmp) / "candidate"),
-                      "baseline": model_dir if baseline_file is None
-                      else drafter_model_dir(model_dir, baseline_file, Path(tmp) / "baseline")}
+        # MTP: every speculative server serves the target with its drafter from one path, rebuilt for each
+        # server (they run one after another). vLLM keys its compile cache by the model path (and the
+        # settings), not the weights: compiled, the first speculative server compiles and the others
+        # start from its cache
+        shared = Path(tmp) / "served"
+
+        def served_dir(drafter: str) -> Path:
+            if drafts is not None or drafter == "none":
+                return model_dir
+            weights = candidate_file if drafter == "candidate" else baseline_file
+            if weights is None:  # the released drafter is the target's own MTP layer: the target, linked
+                return linked_model_dir(model_dir, shared)
+            return drafter_model_dir(model_dir, weights, shared)
         runs_per_round = sum(len(temps) for _, _, temps in servers) * len(c.concurrency)
         with progress("ab_live", total=c.rounds * runs_per_round, unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
@@ -167,7 +175,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                                  "num_speculative_tokens": cfg.dspark.block_size}
                     log_path = out / "logs" / f"server-{name}.log"
                     with _dspark_refusal(drafts is not None, log_path, version), \
-                            serve(served[drafter], serving, speculative_config=spec, log_path=log_path,
+                            serve(served_dir(drafter), serving, speculative_config=spec, log_path=log_path,
                                   served_model_name="target") as srv:
                         version = version or srv.engine_version
                         server_info.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
