@@ -8,8 +8,9 @@ in the LM head (the part worth fusing or chunking) — the MTP step and the DSpa
 Uses the demo store's target and captured features when present (run `make demo` first),
 otherwise the tiny test target with random windows. Measures, in one run, a full MTP training step
 (K-step unroll + loss + backward + AdamW) twice on the same windows from the same weights: the
-reference (transformers' own MoE forward: every routed expert and the shared expert computed) and the
-step as training runs it (the exact shortcuts of ``drafter.models.mtp.OnePassMoE``); it prints both
+reference (transformers' own MoE forward: every routed expert and the shared expert computed; lk_hybrid by
+autograd, ``fused=False``) and the step as training runs it (the exact shortcuts of
+``drafter.models.mtp.OnePassMoE``, the fused ``drafter.training.losses.LKHybridRows``); it prints both
 tokens/s, their ratio and both paths' loss of every window (equal within float tolerance); a third path runs
 the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision. Then the
 same step's LM-head work alone (the draft head forward/backward and the target head forward on the
@@ -166,7 +167,7 @@ def main(kind: str | None = None) -> dict | None:
     n_train, n_frozen = freeze(drafter, cfg.freeze)
     fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)
     bf16 = copy.deepcopy(drafter)  # the exact shortcuts under `train.dtype: bfloat16` (autocast): not exact
-    drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward
+    drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward (and the autograd loss)
     paths = {"reference": drafter, "new": fast, "bf16": bf16}
     opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
@@ -178,7 +179,7 @@ def main(kind: str | None = None) -> dict | None:
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "bf16"):
-                loss, _ = window_loss(d, head, w, cfg, weights)
+                loss, _ = window_loss(d, head, w, cfg, weights, fused=path != "reference")
             (loss / args.micro_batch).backward()
             toks += len(w.input_ids)
             losses.append(float(loss.detach()))
@@ -221,11 +222,11 @@ def main(kind: str | None = None) -> dict | None:
         head_only(i)
         t_head += time.perf_counter() - t0
     tok_s = {path: toks / t[path] for path in paths}
-    print(f"\n{'MTP step':<30}{'s/step':>10}{'tokens/s':>12}{'ratio':>8}")
-    for path, name in (("reference", "reference (all experts)"), ("new", "new (exact shortcuts)"),
+    print(f"\n{'MTP step':<40}{'s/step':>10}{'tokens/s':>12}{'ratio':>8}")
+    for path, name in (("reference", "reference (all experts, autograd loss)"), ("new", "new (exact shortcuts, fused loss)"),
                        ("bf16", "new, bf16 autocast (not exact)")):
-        print(f"{name:<30}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
-    print(f"{'LM head + loss only':<30}{t_head / args.steps:>10.3f}{'':>12}{'':>8}"
+        print(f"{name:<40}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
+    print(f"{'LM head + loss only':<40}{t_head / args.steps:>10.3f}{'':>12}{'':>8}"
           f"  share of the new step {t_head / t['new']:.2f}, of the reference {t_head / t['reference']:.2f}")
     diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["reference"], losses["new"]))
     print(f"\nloss per window ({len(losses['new'])} windows, {args.steps} optimizer steps on each path):")

@@ -125,3 +125,41 @@ def test_position_weights_and_errors():
         L.position_weights(3, gamma=0)
     with pytest.raises(ValueError, match="differ in shape"):
         L.kl(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_hybrid_equals_the_autograd_reference(monkeypatch, temperature):
+    """lk_hybrid's fused rows (value and draft-logit gradient worked out in one chunked pass) against the
+    reference autograd computation (fused=False): the training step's speed-up keeps the loss and its
+    gradient within float32 rounding, across chunk boundaries, masked rows, and a row where q = p."""
+    g = torch.Generator().manual_seed(1)
+    n, v = 37, 503
+    monkeypatch.setattr(L, "CHUNK_ROWS", 8)  # 5 chunks, the last one partial
+    p = torch.randn(n, v, generator=g) * 3
+    q0 = torch.randn(n, v, generator=g) * 3
+    q0[5] = p[5]  # identical rows: sign(q − p) = 0 everywhere
+    mask = (torch.rand(n, generator=g) > 0.2).long()
+    grads, vals = {}, {}
+    for fused in (True, False):
+        q = q0.clone().requires_grad_(True)
+        loss, st = L.lk_hybrid(q, p, mask, eta=3.0, temperature=temperature, fused=fused)
+        (2.5 * loss).backward()
+        vals[fused], grads[fused] = (loss.item(), st["alpha"], st["lambda"]), q.grad
+    assert vals[True] == pytest.approx(vals[False], rel=2e-6)
+    assert torch.allclose(grads[True], grads[False], rtol=1e-4, atol=1e-9)
+    assert grads[True][mask == 0].abs().max() == 0
+    # under bf16 autocast, as `train.dtype: bfloat16` runs it: bf16 logits in, a bf16 gradient out
+    qb = q0.to(torch.bfloat16).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lb, _ = L.lk_hybrid(qb, p.to(torch.bfloat16), mask, temperature=temperature)
+    lb.backward()
+    qr = q0.to(torch.bfloat16).requires_grad_(True)
+    lr_, _ = L.lk_hybrid(qr, p.to(torch.bfloat16), mask, temperature=temperature, fused=False)
+    lr_.backward()
+    assert qb.grad.dtype == torch.bfloat16 and lb.item() == pytest.approx(lr_.item(), rel=1e-5)
+    assert torch.allclose(qb.grad.float(), qr.grad.float(), rtol=1e-2, atol=1e-6)
+
+
+def test_fused_hybrid_names_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"draft logits \(3, 5\) and target logits \(3, 4\) differ in shape"):
+        L.lk_hybrid(torch.zeros(3, 5), torch.zeros(3, 4))

@@ -34,8 +34,10 @@ from drafter.core.progress import progress
 from drafter.data.windows import Window, window_order
 
 
-def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfig, weights: torch.Tensor):
+def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfig, weights: torch.Tensor,
+                fused: bool = True):
     """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats).
+    ``fused``: see :func:`drafter.training.losses.position_loss`.
 
     Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
     assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
@@ -60,7 +62,7 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
         q = drafter.logits(k - 1, un.hidden[k - 1][0, sel])
         tokens = win.input_ids[k + 1 + sel]
         p = None if target is None else target[row_of[sel + k]]  # the target at position t+k
-        loss_k, st = L.position_loss(cfg, q, p, tokens)
+        loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused)
         w = float(weights[k - 1])
         total = total + w * loss_k
         wsum += w

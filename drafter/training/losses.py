@@ -74,7 +74,16 @@ def lk_alpha(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = 
 
 
 def lk_hybrid(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, eta: float = 3.0,
-              temperature: float = 1.0):
+              temperature: float = 1.0, fused: bool = True):
+    """λ·KL + (1−λ)·TV per row (module doc). ``fused`` (the default) computes it with :class:`LKHybridRows`:
+    the value and the gradient w.r.t. the draft logits in one pass over cache-sized row chunks, equal to
+    the autograd computation (``fused=False``, the reference) within float32 rounding."""
+    if fused:
+        if draft_logits.shape != target_logits.shape:
+            raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits "
+                             f"{tuple(target_logits.shape)} differ in shape")
+        per, alpha, lam = LKHybridRows.apply(draft_logits, target_logits.detach(), float(eta), float(temperature))
+        return _masked_mean(per, mask), {"alpha": _masked_mean(alpha, mask).item(), "lambda": _masked_mean(lam, mask).item()}
     logp, logq = _probs(draft_logits, target_logits, temperature)
     p, q = logp.exp(), logq.exp()
     kl_per = (p * (logp - logq)).sum(-1)
@@ -83,6 +92,56 @@ def lk_hybrid(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None =
     lam = torch.exp(-eta * alpha)
     per = lam * kl_per + (1 - lam) * tv_per
     return _masked_mean(per, mask), {"alpha": _masked_mean(alpha, mask).item(), "lambda": _masked_mean(lam, mask).item()}
+
+
+CHUNK_ROWS = 8  # rows of [rows, V] worked on at once by LKHybridRows: 1.5 MB per float32 temporary at V = 49k
+
+
+class LKHybridRows(torch.autograd.Function):
+    """Per row of ``[N, V]`` logits: ``(per, α, λ)`` of lk_hybrid, with the gradient of ``per`` w.r.t. the
+    draft logits worked out in the forward — the autograd of the reference keeps a dozen ``[N, V]``
+    float32 intermediates and walks them again backward (memory-bound: at the demo's V = 49,152 this was
+    most of a K = 2 training step on 2 CPU cores); here each chunk of :data:`CHUNK_ROWS` rows stays in
+    cache and only the gradient is kept. With z the draft logits, q = softmax(z/T), p the target's, and
+    λ = exp(−η·sg[α]) a constant: ∂KL/∂z = (q − p)/T; ∂TV/∂z = q ⊙ (s − ⟨q, s⟩)/T with s = ½·sign(q − p)
+    (0 where q = p, as autograd's |·|). α and λ carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, eta: float, temperature: float):
+        n = draft_logits.shape[0]
+        per = torch.empty(n, dtype=torch.float32)
+        alpha = torch.empty(n, dtype=torch.float32)
+        lam = torch.empty(n, dtype=torch.float32)
+        grad = torch.empty(draft_logits.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            for r0 in range(0, n, CHUNK_ROWS):
+                r1 = min(r0 + CHUNK_ROWS, n)
+                logq = F.log_softmax(draft_logits[r0:r1].float() / temperature, dim=-1)
+                logp = F.log_softmax(target_logits[r0:r1].float() / temperature, dim=-1)
+                q, p = logq.exp(), logp.exp()
+                kl = logp.sub_(logq).mul_(p).sum(-1)
+                d = q.sub(p)  # q − p
+                tv = d.abs().sum(-1).mul_(0.5)
+                a = 1 - tv
+                lm = torch.exp(-eta * a)
+                per[r0:r1] = lm * kl + (1 - lm) * tv
+                alpha[r0:r1], lam[r0:r1] = a, lm
+                if grad is not None:
+                    s = torch.sign(d).mul_(0.5)
+                    g = s.sub_((q * s).sum(-1, keepdim=True)).mul_(q).mul_((1 - lm)[:, None])
+                    g.add_(d.mul_(lm[:, None]))
+                    if temperature != 1.0:
+                        g.div_(temperature)
+                    grad[r0:r1] = g
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.dtype = draft_logits.dtype
+        ctx.mark_non_differentiable(alpha, lam)
+        return per, alpha, lam
+
+    @staticmethod
+    def backward(ctx, grad_per: Tensor, _grad_alpha, _grad_lam):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_per[:, None]).to(ctx.dtype), None, None, None
 
 
 def ce(draft_logits: Tensor, tokens: Tensor, mask: Tensor | None = None):
@@ -115,15 +174,16 @@ def position_weights(k: int, gamma: float = 4.0) -> Tensor:
     return torch.tensor([math.exp(-i / gamma) for i in range(k)], dtype=torch.float32)
 
 
-def position_loss(cfg, q: Tensor, p: Tensor | None, tokens: Tensor):
+def position_loss(cfg, q: Tensor, p: Tensor | None, tokens: Tensor, fused: bool = True):
     """The loss ``cfg.loss`` (a TrainConfig: loss, η, ce_w, l1_w) of one draft position's logits ``q``
-    against the target's logits ``p`` (None for ``ce``) and the data tokens."""
+    against the target's logits ``p`` (None for ``ce``) and the data tokens. ``fused=False``: lk_hybrid's
+    reference autograd computation (bench/train.py's reference path)."""
     if cfg.loss == "ce":
         return ce(q, tokens)
     if cfg.loss == "ce_l1":
         return ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
     if cfg.loss == "lk_hybrid":
-        return lk_hybrid(q, p, eta=cfg.eta)
+        return lk_hybrid(q, p, eta=cfg.eta, fused=fused)
     return LOSSES[cfg.loss](q, p)
 
 
