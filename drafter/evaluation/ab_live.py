@@ -47,11 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from pydantic import SecretStr
-
 from drafter.core.errors import StageError
 from drafter.data.generate import OpenAIChatBackend, RequestError, Sampling, request_seed
-from drafter.serving.server import SPEC_COUNTERS, cpu_list, cpu_server_env, request_timing, spec_decode_counters  # noqa: F401 (re-exported)
+from drafter.serving.server import SPEC_COUNTERS, request_timing, spec_decode_counters
 
 if TYPE_CHECKING:
     from drafter.core.config import AbLiveConfig, ServingConfig
@@ -268,16 +266,12 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
     return spec + none if drafts_first else none + spec
 
 
-def ab_serving(serving: "ServingConfig", server_args: list[str], python: str | Path | None,
-               compiled: bool | None = None) -> "ServingConfig":
+def ab_serving(serving: "ServingConfig", server_args: list[str], compiled: bool | None = None) -> "ServingConfig":
     """The settings every server of an A/B runs with: ``serving`` plus ``server_args`` (``ab_live.server_args``),
-    compiled or eager as ``compiled`` says (``ab_live.compiled``; None keeps ``serving.enforce_eager``) and, for a
-    vLLM CPU subprocess started from ``python``, :func:`cpu_server_env`."""
-    extra = cpu_server_env(python, serving) if python is not None else {}
-    env = dict(serving.env) | {k: SecretStr(v) for k, v in extra.items()}  # every value a secret, as validated ones
+    compiled or eager as ``compiled`` says (``ab_live.compiled``; None keeps ``serving.enforce_eager``). A vLLM CPU
+    subprocess also gets :func:`drafter.serving.server.cpu_server_env` from ``serve`` itself, as every server does."""
     eager = serving.enforce_eager if compiled is None else not compiled
-    return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "env": env,
-                                      "enforce_eager": eager})
+    return serving.model_copy(update={"extra_args": [*serving.extra_args, *server_args], "enforce_eager": eager})
 
 
 def compile_mode(compiled: bool | None) -> str:

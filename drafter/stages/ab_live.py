@@ -136,7 +136,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     else:  # docker: the engine is not in a local env to read; only greedy (every engine's default) is assumed
         version, methods_ok, why = None, None, f"serving.launcher={serving.launcher}: the engine's source is not local"
     compiled = not c.eager(serving)
-    serving = ab_serving(serving, c.server_args, py, compiled)
+    serving = ab_serving(serving, c.server_args, compiled)
     plan, unsupported = plan_matrix(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)

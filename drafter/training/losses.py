@@ -108,12 +108,10 @@ class LKHybridRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, draft_logits: Tensor, target_logits: Tensor, eta: float, temperature: float):
-        n = draft_logits.shape[0]
-        per = torch.empty(n, dtype=torch.float32)
-        alpha = torch.empty(n, dtype=torch.float32)
-        lam = torch.empty(n, dtype=torch.float32)
-        grad = torch.empty(draft_logits.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        n, dev = draft_logits.shape[0], draft_logits.device
+        per, alpha, lam = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
+        grad = torch.empty(draft_logits.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[0] else None
+        with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             for r0 in range(0, n, CHUNK_ROWS):
                 r1 = min(r0 + CHUNK_ROWS, n)
                 logq = F.log_softmax(draft_logits[r0:r1].float() / temperature, dim=-1)
