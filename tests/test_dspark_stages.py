@@ -83,6 +83,58 @@ def test_bootstrap_and_finetune_write_drafts_vllm_loads(dspark_store):
     assert m["tau_t0_before"] == found["bootstrap_drafter"].manifest["metrics"]["tau_t0_after"]
 
 
+def test_the_finetune_sets_a_calibration_slice_aside_for_the_confidence_head(dspark_store):
+    """The fine-tune (and its ablation) trains on the fine-tune half less the conversations of the
+    calibration slice, and Platt-scales the confidence head on that slice; with too few conversations to
+    set any aside it trains on all and records why the head was not recalibrated."""
+    from drafter.data.windows import in_calibration_slice, load_windows
+    from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
+    from drafter.stages.train import CALIBRATION_FRACTION
+
+    cfg, _, found, _ = dspark_store
+    train = found["train"].path
+    layers = capture_layers(load_dspark(train / DSPARK_DIR).cfg)
+    wins = load_windows(found["capture"], "train", cfg.train.data_part, cfg.train.window, min_tokens=BLOCK + 2,
+                        feature_layers=layers)
+    cal = [w for w in wins if in_calibration_slice(w.row_id, CALIBRATION_FRACTION)]
+    m = found["train"].manifest["metrics"]
+    for out in (train, train / "ablations" / "lk_hybrid"):
+        res = json.loads((out / "result.json").read_text())
+        r = res["recalibration"]
+        if cal and len(cal) < len(wins):
+            assert res["train_windows"] == len(wins) - len(cal) and r["windows"] == len(cal)
+            if "skipped" not in r:
+                assert r["a"] > 0 and r["ece_after"] <= 1 and res["final"]["calibration"]["ece"] is not None
+        else:
+            assert res["train_windows"] == len(wins) and r["windows"] == 0
+            assert "leave no calibration slice" in r["skipped"]
+    r = json.loads((train / "result.json").read_text())["recalibration"]
+    if "skipped" in r:
+        assert m["calibration_skipped"] == r["skipped"]
+    else:
+        assert m["calibration_windows"] == len(cal) and m["calibration_a"] == round(r["a"], 4)
+
+
+def test_too_few_conversations_for_a_calibration_slice_train_on_all(dspark_store, tmp_path):
+    from drafter.data.windows import load_windows
+    from drafter.models.dspark import DSPARK_DIR
+    from drafter.models.target import target_dir
+    from drafter.training.run import run_dspark_training
+
+    cfg, _, found, _ = dspark_store
+    said = []
+    res = run_dspark_training(target_dir(found["prepare_target"]), found["capture"], cfg.train, cfg.dspark,
+                              tmp_path / "o", weights=found["bootstrap_drafter"].path / DSPARK_DIR,
+                              calibration_fraction=1e-9, log=said.append)
+    layers = [i + 1 for i in cfg.dspark.target_layer_ids]
+    n = len(load_windows(found["capture"], "train", cfg.train.data_part, cfg.train.window, min_tokens=BLOCK + 2,
+                         feature_layers=layers))
+    r = res["recalibration"]
+    assert res["train_windows"] == n and r["windows"] == 0
+    assert r["skipped"] == f"{n} finetune windows leave no calibration slice of 1e-09 beside the training windows"
+    assert any("not recalibrated" in line for line in said)
+
+
 def test_offline_block_evaluation_matches_the_library_and_counts_every_anchor(dspark_store):
     from drafter.data.windows import load_windows
     from drafter.evaluation.acceptance import block_acceptance
@@ -239,6 +291,9 @@ def test_the_release_folder_and_its_dspark_card(dspark_store, tmp_path):
     cal = {r["drafter"]: r for r in table(section(md, "### Confidence head calibration"))}
     assert cal["fine-tuned"]["ECE"] == f"{ev['calibration']['candidate']['ece']:.4f}"
     assert cal["released"]["ECE"] == f"{ev['calibration']['baseline']['ece']:.4f}"
+    tm = found["train"].manifest["metrics"]  # the tiny store sets 1 conversation aside (see the calibration test)
+    assert (f"Platt-scaled (σ(a·logit c + b), a = {tm['calibration_a']}, b = {tm['calibration_b']}, folded into "
+            f"`confidence_head.proj`) on {tm['calibration_windows']} windows") in section(md, "### Confidence head calibration")
     served = table(section(md, f"### At the served K={BLOCK}"))
     assert served[0]["fine-tuned τ"] == f"{ev['drafters']['candidate']['t0']['tau_by_k'][BLOCK - 1]:.3f}"
     assert "Block drafting: one pass proposes the whole block" in md

@@ -187,3 +187,87 @@ def test_block_loss_equals_the_direct_formula():
             num += wj * (sum(t[0] for t in terms) / len(terms) + 0.1 * sum(t[1] for t in terms) / len(terms))
             den += wj
     assert float(loss) == pytest.approx(num / den, rel=1e-5)  # float32 logits against float64 arithmetic
+
+
+def test_platt_scaling_recovers_a_known_miscalibration():
+    """Outcomes drawn with P(accepted) = σ(0.5·z − 0.4) for a confidence σ(z) (overconfident, like a head
+    trained over several passes of its data): the fit finds a ≈ 0.5, b ≈ −0.4 and the ECE falls."""
+    from drafter.evaluation.calibration import fit_platt
+
+    g = torch.Generator().manual_seed(0)
+    z = 2.0 * torch.randn(20000, generator=g, dtype=torch.float64)
+    y = (torch.rand(20000, generator=g, dtype=torch.float64) < torch.sigmoid(0.5 * z - 0.4)).double()
+    conf = torch.sigmoid(z)
+    a, b = fit_platt(conf, y)
+    assert a == pytest.approx(0.5, abs=0.05) and b == pytest.approx(-0.4, abs=0.08)  # ~4 standard errors
+    before, after = reliability(conf, y)["ece"], reliability(torch.sigmoid(a * z + b), y)["ece"]
+    assert before > 0.1 and after < 0.02
+    with pytest.raises(ValueError, match="needs both outcomes: 0 of 3"):
+        fit_platt(torch.tensor([0.2, 0.5, 0.9]), torch.zeros(3))
+    with pytest.raises(ValueError, match="differ in size"):
+        fit_platt(torch.tensor([0.2, 0.5]), torch.ones(3))
+
+
+def test_recalibration_folds_into_the_served_head_exactly(tmp_path):
+    """ConfidenceHead.recalibrate(a, b): the confidence becomes σ(a·logit(c) + b) at every block position,
+    and it survives the save/load vLLM's loader reads (confidence head in float32)."""
+    from drafter.models.dspark import load_dspark, save_dspark
+
+    embed, head, wins = _world()
+    d = _draft()
+    c0 = block_acceptance(d, embed, head, wins)["confidence"]["confidence"].double()
+    d.confidence_head.recalibrate(0.7, -0.3)
+    c1 = block_acceptance(d, embed, head, wins)["confidence"]["confidence"].double()
+    assert torch.allclose(c1, torch.sigmoid(0.7 * torch.logit(c0) - 0.3), atol=1e-5)
+    save_dspark(d, tmp_path / "d", dtype=torch.bfloat16)
+    c2 = block_acceptance(load_dspark(tmp_path / "d"), embed, head, wins)["confidence"]["confidence"].double()
+    assert torch.allclose(c2, c1, atol=2e-2)  # the backbone went through bfloat16; the head itself stayed float32
+    assert load_dspark(tmp_path / "d").confidence_head.proj.weight.dtype == torch.float32
+
+
+def test_recalibrate_confidence_never_worsens_the_slices_likelihood():
+    """training.run.recalibrate_confidence on unseen windows: the fitted (a, b) are folded into the head,
+    the slice's binary cross-entropy is at most the head's own (the identity a=1, b=0 is a candidate), and
+    a slice with a single outcome is skipped with the reason, the head untouched."""
+    import torch.nn.functional as F
+
+    from drafter.training.run import recalibrate_confidence
+
+    embed, head, wins = _world()
+    d = _draft()
+    with torch.no_grad():  # an overconfident head: its bias pushed up
+        d.confidence_head.proj.bias.add_(3.0)
+
+    def bce():
+        c = block_acceptance(d, embed, head, wins)["confidence"]
+        return F.binary_cross_entropy(c["confidence"].double().clamp(1e-6, 1 - 1e-6), c["accepted"].double())
+
+    acc = block_acceptance(d, embed, head, wins)["confidence"]["accepted"]
+    assert 0 < float(acc.sum()) < acc.numel()  # both outcomes in the slice
+    before = bce()
+    w0 = d.confidence_head.proj.weight.clone()
+    r = recalibrate_confidence(d, embed, head, wins, 0.5)
+    assert r["windows"] == len(wins) and r["positions"] == acc.numel() and "skipped" not in r
+    assert torch.allclose(d.confidence_head.proj.weight, w0 * r["a"])
+    assert bce() <= before + 1e-9 and r["ece_after"] < r["ece_before"]
+    one = [w for w in wins[:1]]
+    never = Window(one[0].row_id, one[0].start, one[0].input_ids, torch.zeros_like(one[0].loss_mask),
+                   one[0].hidden, one[0].features)  # no assistant token: no eligible position
+    w1 = d.confidence_head.proj.weight.clone()
+    r = recalibrate_confidence(d, embed, head, [never], 0.5)
+    assert "needs both outcomes: 0 of 0" in r["skipped"] and torch.equal(d.confidence_head.proj.weight, w1)
+
+
+def test_calibration_slice_is_stable_and_cuts_across_both_halves():
+    from drafter.data.windows import in_calibration_slice, row_part
+
+    ids = [f"general-s0-{i:05d}" for i in range(4000)]
+    picked = [i for i in ids if in_calibration_slice(i, 1 / 16)]
+    assert 250 - 60 <= len(picked) <= 250 + 60  # binomial(4000, 1/16): sd 15
+    assert picked == [i for i in ids if in_calibration_slice(i, 1 / 16)]  # by the row id alone
+    halves = [row_part(i) for i in picked]
+    assert halves.count("finetune") > 80 and halves.count("bootstrap") > 80
+    assert not any(in_calibration_slice(i, 0.0) for i in ids)
+    assert set(picked) <= {i for i in ids if in_calibration_slice(i, 1 / 8)}  # nested slices
+    with pytest.raises(ValueError, match="must lie in"):
+        in_calibration_slice("x", 1.0)

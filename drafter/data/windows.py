@@ -43,6 +43,15 @@ def row_part(row_id: str) -> str:
     return "bootstrap" if hashlib.sha256(row_id.encode()).digest()[0] % 2 == 0 else "finetune"
 
 
+def in_calibration_slice(row_id: str, fraction: float) -> bool:
+    """Whether conversation ``row_id`` belongs to the calibration slice of ``fraction`` of a training part
+    (a stable hash of the row id alone, independent of the bootstrap/finetune halves)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"calibration fraction must lie in [0, 1), got {fraction}")
+    h = int.from_bytes(hashlib.sha256(b"calibration:" + row_id.encode()).digest()[:4], "big")
+    return h < fraction * 2 ** 32
+
+
 def load_windows(capture, split: str, part: str = "all", window: int = 256, min_tokens: int = 8,
                  max_windows: int | None = None, feature_layers: list[int] | tuple[int, ...] = ()) -> list[Window]:
     """Cut the captured conversations of ``split`` (and ``part`` of it) into windows of at most

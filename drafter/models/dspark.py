@@ -247,6 +247,13 @@ class ConfidenceHead(nn.Module):
         x = torch.cat([hidden, markov_embed], dim=-1) if self.with_markov else hidden
         return self.proj(x.float()).squeeze(-1)
 
+    @torch.no_grad()
+    def recalibrate(self, a: float, b: float) -> None:
+        """Fold Platt scaling into ``proj``: afterwards the logit is ``a · old logit + b`` (exact: w ← a·w,
+        bias ← a·bias + b), so the served head (vLLM's, same tensors) gives the recalibrated confidence."""
+        self.proj.weight.mul_(a)
+        self.proj.bias.mul_(a).add_(b)
+
 
 @dataclass
 class DSparkOutput:

@@ -442,7 +442,22 @@ def _dspark(cfg, inputs, offline: dict) -> dict:
             "calibration": [{"drafter": {"baseline": _baseline_name(cfg, inputs), "candidate": "fine-tuned"}.get(n, n),
                              "ece": f"{r['ece']:.4f}" if r.get("ece") is not None else "—",
                              "mean_confidence": f3(r.get("mean_confidence")), "accepted": f3(r.get("mean_outcome")),
-                             "n": r.get("n")} for n, r in cal.items()]}
+                             "n": r.get("n")} for n, r in cal.items()],
+            "recalibration": _recalibration(inputs)}
+
+
+def _recalibration(inputs) -> str | None:
+    """One line on the fine-tuned confidence head's Platt scaling (train stage metrics), or None (not done)."""
+    art = inputs.get("train")
+    m = (art.metrics if art is not None else None) or {}
+    if m.get("calibration_skipped"):
+        return f"The fine-tuned confidence head was not recalibrated: {m['calibration_skipped']}."
+    if m.get("calibration_a") is None:
+        return None
+    return (f"After training, the fine-tuned confidence head was Platt-scaled (σ(a·logit c + b), a = {m['calibration_a']}, "
+            f"b = {m['calibration_b']}, folded into `confidence_head.proj`) on {m['calibration_windows']} windows of the "
+            f"fine-tune's data set aside from training: their ECE {m['calibration_ece_before']} → "
+            f"{m['calibration_ece_after']}.")
 
 
 def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id: str | None, version: str,

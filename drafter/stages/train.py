@@ -8,7 +8,10 @@ Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by def
 in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
 all else equal, for the released / KL / LK comparison.
 With ``dspark.enabled`` the same for a DSpark block draft (:func:`drafter.training.run.run_dspark_training`):
-from ``dspark.released`` or the bootstrap's draft, block loss over ``dspark.anchors`` anchors per window.
+from ``dspark.released`` or the bootstrap's draft, block loss over ``dspark.anchors`` anchors per window;
+1/16 of the fine-tune's conversations (:data:`CALIBRATION_FRACTION`) are not trained on: the confidence head
+is Platt-scaled on them after training (a head trained over several passes of its data is overconfident on
+unseen text: 0.062 held-out ECE after 600 steps over 480 windows, 2026-12-03).
 Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names; DSpark: ``dspark/``), ``curves.png``,
 ``history.jsonl``, ``result.json``; ``ablations/<loss>/…`` likewise; ``table.md``.
 Reports: held-out τ at T=0 and T=1 of the released and the fine-tuned drafter (and of each
@@ -26,6 +29,9 @@ from drafter.models.dspark import DSPARK_DIR
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
 from drafter.training.run import run_dspark_training, run_training, tau_metrics
+
+
+CALIBRATION_FRACTION = 1 / 16  # of a DSpark fine-tune's conversations: the confidence head's calibration slice
 
 
 def released_weights(bootstrap: Artifact) -> Path | None:
@@ -92,13 +98,22 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> M
     c, d = cfg.train, cfg.dspark
     weights = released_draft(cfg, inputs)
     res = run_dspark_training(model_dir, inputs["capture"], c, d, out, weights=weights,
-                              title=f"DSpark fine-tune: {c.loss}, block {d.block_size}")
+                              title=f"DSpark fine-tune: {c.loss}, block {d.block_size}",
+                              calibration_fraction=CALIBRATION_FRACTION)
     metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
                "seconds": round(res["seconds"], 1), "loss": c.loss, "block_size": d.block_size}
+    r = res.get("recalibration") or {}
+    if "skipped" in r:
+        metrics["calibration_skipped"] = r["skipped"]
+    elif r:
+        metrics |= {"calibration_windows": r["windows"], "calibration_a": round(r["a"], 4),
+                    "calibration_b": round(r["b"], 4), "calibration_ece_before": round(r["ece_before"], 4),
+                    "calibration_ece_after": round(r["ece_after"], 4)}
     rows = [("released", res["baseline"])]
     for loss in cfg.ablation.losses:
         ab = run_dspark_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), d,
-                                 out / "ablations" / loss, weights=weights, title=f"ablation: {loss}, block {d.block_size}")
+                                 out / "ablations" / loss, weights=weights, title=f"ablation: {loss}, block {d.block_size}",
+                                 calibration_fraction=CALIBRATION_FRACTION)
         metrics |= tau_metrics(ab, prefix=f"{loss}_")
         rows.append((f"{loss} fine-tune", ab["final"]))
     rows.append((f"{c.loss} fine-tune", res["final"]))
@@ -130,7 +145,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="train",
-    version="1",
+    version="2",  # 2: a DSpark fine-tune Platt-scales its confidence head on a slice it did not train on
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
     sections=("train", "ablation", "baseline", "dspark"),
     run=run,

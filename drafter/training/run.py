@@ -24,7 +24,7 @@ from drafter.models.target import read_tensor
 from drafter.core.errors import StageError
 from drafter.core.hardware import describe
 from drafter.training.loop import dist_info, plot_curves, train
-from drafter.data.windows import load_windows
+from drafter.data.windows import in_calibration_slice, load_windows
 
 
 def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weights: Path | None = None,
@@ -87,13 +87,22 @@ def dspark_evaluate(draft, embed, head: torch.Tensor, windows) -> dict:
 
 
 def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out: Path, *,
-                        weights: Path | None = None, title: str = "DSpark training", log=print) -> dict:
+                        weights: Path | None = None, title: str = "DSpark training", log=print,
+                        calibration_fraction: float = 0.0) -> dict:
     """:func:`run_training` for a DSpark block draft (``dspark`` is the config's
     :class:`~drafter.core.config.DSparkSection`): start from the draft folder ``weights`` (a release,
     the bootstrap's output) or, without it, from a seeded random draft shaped like the target; train
     with :func:`drafter.training.dspark.block_loss` on the captured target layers; write the draft
     folder vLLM loads (``dspark/config.json`` + ``dspark/model.safetensors``), ``curves.png``,
-    ``history.jsonl``, ``result.json`` (held-out block acceptance and ECE before and after)."""
+    ``history.jsonl``, ``result.json`` (held-out block acceptance and ECE before and after).
+
+    ``calibration_fraction`` > 0 (with a confidence head): that fraction of the training conversations
+    (:func:`~drafter.data.windows.in_calibration_slice`) is not trained on; after training the confidence
+    head is Platt-scaled on it (:func:`~drafter.evaluation.calibration.fit_platt`, folded into
+    ``confidence_head.proj``), because a head trained over several passes of its data learns the acceptance
+    reached there, above what unseen text gets. ``result["recalibration"]`` records the slice, ``a``, ``b``
+    and its ECE before/after; ``result["final"]["calibration"]`` is the held-out one after the fold (the
+    history's last evaluation is before it). Draft tokens do not depend on the head: τ is unchanged."""
     from transformers import AutoConfig
 
     from drafter.models.dspark import DSparkConfig, DSparkDraft, capture_layers, load_dspark, save_dspark
@@ -136,16 +145,60 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
                           feature_layers=layers)
     if not train_w:
         raise StageError(f"capture {getattr(capture, 'path', capture)}: no {cfg.data_part} windows of at least {K + 2} tokens")
+    cal_w: list = []
+    extra: dict = {}
+    if calibration_fraction > 0 and draft.confidence_head is not None:
+        cal_w = [w for w in train_w if in_calibration_slice(w.row_id, calibration_fraction)]
+        rest = [w for w in train_w if not in_calibration_slice(w.row_id, calibration_fraction)]
+        if cal_w and rest:
+            train_w = rest
+        else:  # too few conversations to set any aside: train on all of them, the head as trained
+            extra["recalibration"] = {"fraction": calibration_fraction, "windows": 0, "skipped":
+                                      f"{len(train_w)} {cfg.data_part} windows leave no calibration slice of "
+                                      f"{calibration_fraction:.4g} beside the training windows"}
+            log(f"confidence head: not recalibrated ({extra['recalibration']['skipped']})")
+            cal_w = []
     # anchors from torch's global generator: seeded by train(), kept in its checkpoints, so a resumed
     # run draws the anchors an uninterrupted one would
     res = train(draft, head, train_w, eval_w, cfg, out / "work", log=log,
                 loss_fn=lambda win: block_loss(draft, embed, head, win, cfg, anchors=dspark.anchors,
                                                confidence_w=dspark.confidence_w if dspark.confidence_head else 0.0),
                 evaluate=lambda: dspark_evaluate(draft, embed, head, eval_w))
+    if cal_w:
+        r = extra["recalibration"] = recalibrate_confidence(draft, embed, head, cal_w, calibration_fraction)
+        if "skipped" in r:
+            log(f"confidence head: not recalibrated ({r['skipped']})")
+        else:
+            res["final"]["calibration"] = dspark_evaluate(draft, embed, head, eval_w)["calibration"]
+            held = res["final"]["calibration"]["ece"]
+            log(f"confidence head: Platt-scaled on {len(cal_w)} unseen windows (a {r['a']:.3f}, b {r['b']:+.3f}); "
+                f"their ECE {r['ece_before']:.4f} → {r['ece_after']:.4f}, held-out "
+                f"{'n/a' if held is None else f'{held:.4f}'}")
     save_dspark(draft, out / DSPARK_DIR, dtype=getattr(torch, cfg.save_dtype))
     return _finish(res, out, title, {"layout": "dspark", "loss": cfg.loss, "block_size": K, "anchors": dspark.anchors,
                                      "train_windows": len(train_w), "eval_windows": len(eval_w),
-                                     "weights_in": str(weights) if weights else None})
+                                     "weights_in": str(weights) if weights else None, **extra})
+
+
+def recalibrate_confidence(draft, embed, head: torch.Tensor, windows, fraction: float) -> dict:
+    """Platt-scale ``draft``'s confidence head on ``windows`` (never trained on) and fold it into the head;
+    returns what was done: the slice's size, ``a``, ``b`` and its ECE before and after — or, when the slice
+    cannot calibrate (no eligible position, every outcome equal), ``skipped`` with why and the head untouched."""
+    from drafter.evaluation.acceptance import block_acceptance
+    from drafter.evaluation.calibration import fit_platt, reliability
+
+    conf = block_acceptance(draft, embed, head, windows)["confidence"]
+    before = reliability(conf["confidence"], conf["accepted"])
+    size = {"fraction": fraction, "windows": len(windows), "conversations": len({w.row_id for w in windows}),
+            "positions": before["n"]}
+    try:
+        a, b = fit_platt(conf["confidence"], conf["accepted"])
+    except ValueError as e:
+        return {**size, "skipped": f"the calibration slice ({len(windows)} windows): {e}", "ece_before": before["ece"]}
+    draft.confidence_head.recalibrate(a, b)
+    conf = block_acceptance(draft, embed, head, windows)["confidence"]
+    after = reliability(conf["confidence"], conf["accepted"])
+    return {**size, "a": a, "b": b, "ece_before": before["ece"], "ece_after": after["ece"]}
 
 
 def tau_metrics(result: dict, prefix: str = "") -> dict:
