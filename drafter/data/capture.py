@@ -325,7 +325,10 @@ def capture_shard(hs: HiddenStates, seqs: list[Sequence], batch_tokens: int, dty
     for batch in make_batches(lengths, batch_tokens):
         bseqs = [seqs[k] for k in batch]
         ids, att = pad_batch(bseqs)
-        got = hs(ids, att)
+        # no attention mask: the padding is on the right and attention is causal, so no real token attends
+        # to a pad and its state is what the masked forward gives; without a mask SDPA runs its causal
+        # kernel instead of materialising a [B, heads, T, T] masked score tensor (bench/capture.py)
+        got = hs(ids, None)
         # destination rows in the packed tensors, in the batch's row-major valid order
         dest = torch.cat([torch.arange(int(offsets[k]), int(offsets[k + 1])) for k in batch])
         valid = None if att is None else att.bool()
