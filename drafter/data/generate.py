@@ -425,6 +425,44 @@ async def _generate_row(plan: RowPlan, backend: ChatBackend, cfg: "GenerateConfi
     }
 
 
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
+
+
+def sampled_serving(serving, temperature: float):
+    """``serving`` for seeded requests at ``temperature``. vLLM 0.32's CPU build cannot sample a seeded request
+    whose prefill is split over steps: it rewinds the request's generator, which a CPU generator cannot do
+    ("RuntimeError: CPU Generator does not use offset" in ``_bookkeeping_sync``, and the engine dies). At
+    T > 0 with a vLLM CPU subprocess this adds ``--no-enable-chunked-prefill`` (each prompt is scheduled
+    whole) unless ``serving.extra_args`` already decides chunked prefill; otherwise ``serving`` unchanged."""
+    if not temperature > 0 or serving.backend != "vllm" or serving.launcher != "subprocess":
+        return serving
+    if any("chunked-prefill" in a for a in serving.extra_args):
+        return serving
+    from drafter.serving.server import is_cpu_engine, serving_python
+
+    if not is_cpu_engine(serving_python(serving)):
+        return serving
+    return serving.model_copy(update={"extra_args": [*serving.extra_args, NO_CHUNKED_PREFILL]})
+
+
+def backend_factory(stack, model_dir: str | Path, serving, cfg: "GenerateConfig", log_path: Path,
+                    servers: list | None = None) -> Callable[[], ChatBackend]:
+    """A factory of the chat backend ``serving`` names, for :func:`generate_dataset`: the transformers model
+    in-process, or a vLLM server (:func:`drafter.serving.server.serve`, its log at ``log_path``) entered
+    into the ``contextlib.ExitStack`` ``stack`` (stopped when it closes) and appended to ``servers``."""
+    def make() -> ChatBackend:
+        if serving.backend == "transformers":
+            return TransformersBackend(model_dir, dtype=serving.dtype)
+        from drafter.serving.server import serve
+
+        srv = stack.enter_context(serve(Path(model_dir), sampled_serving(serving, cfg.temperature), log_path=log_path))
+        if servers is not None:
+            servers.append(srv)
+        return OpenAIChatBackend(srv.base_url, srv.model, engine=srv.engine, engine_version=srv.engine_version or "",
+                                 timeout_s=cfg.request_timeout_s, max_connections=cfg.concurrency, api_key=srv.api_key)
+    return make
+
+
 def generate_dataset(
     convs: list[Conversation],
     backend: ChatBackend | Callable[[], ChatBackend],

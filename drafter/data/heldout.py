@@ -126,3 +126,42 @@ def user_heldout(cfg: "ReleaseConfig") -> tuple[list[dict], dict]:
     fps = fingerprint(cfg)
     convs = load_heldout(cfg.heldout.files)
     return heldout_rows(convs, scrubber_for(cfg.scrub)), describe_files(fps, len(convs))
+
+
+def resample_heldout(cfg: "ReleaseConfig", model_dir: str | Path, out_file: str | Path, *, temperature: float,
+                     work_dir: str | Path, log=print) -> dict:
+    """Regenerate every assistant turn of the built-in held-out conversations at ``temperature`` with the
+    served target (``cfg.serving``'s backend; ``cfg.generate``'s prompts, seed, top-p, max tokens and
+    concurrency), and write them to ``out_file`` as a held-out file (JSONL: ``id``, ``domain``, ``messages``)
+    for ``heldout.files``. The built-in split's text is generated at ``generate.temperature`` (0 by
+    default), while a live replay at T > 0 samples its own continuations: offline T > 0 figures measured on
+    this file predict the live ones (the held-out prompts are the same, so it is never trained on).
+
+    ``work_dir`` holds the generation's shards (a retry resumes there); ``out_file`` is written atomically,
+    only once every turn was generated. Returns the generation summary plus ``file``, ``conversations``,
+    ``temperature``. Raises :class:`BadInputError` for a temperature below 0 and
+    :class:`~drafter.core.errors.StageError` when the split has no conversation or generation failed."""
+    from contextlib import ExitStack
+
+    from drafter.core.errors import StageError
+    from drafter.core.files import iter_rows, write_jsonl_atomic
+    from drafter.data.generate import backend_factory, generate_dataset
+    from drafter.data.prompts import build_prompts
+    from drafter.data.scrub import scrub_conversations, scrubber_for
+
+    if not temperature >= 0:
+        raise BadInputError(f"temperature must be >= 0, got {temperature}")
+    g = cfg.generate.model_copy(update={"temperature": float(temperature), "max_failed_fraction": 0.0})
+    convs, _, _ = scrub_conversations(build_prompts(g), scrubber_for(cfg.scrub))
+    convs = [c for c in convs if c.split == "heldout"]
+    if not convs:
+        raise StageError(f"the built-in held-out split is empty (generate.num_prompts {g.num_prompts}, "
+                         f"generate.heldout_fraction {g.heldout_fraction}): nothing to resample")
+    work = Path(work_dir)
+    log(f"resampling {len(convs)} held-out conversations at T={temperature:g} with {cfg.serving.backend} → {out_file}")
+    with ExitStack() as stack:
+        backend = backend_factory(stack, model_dir, cfg.serving, g, work / "server.log")
+        summary = generate_dataset(convs, backend, work, g, target={"name": str(model_dir)}, modes=[MODE])
+    rows = [{"id": r["id"], "domain": r["domain"], "messages": r["messages"]} for r in iter_rows(work / "shards")]
+    write_jsonl_atomic(Path(out_file), rows)
+    return summary | {"file": str(out_file), "conversations": len(rows), "temperature": float(temperature)}

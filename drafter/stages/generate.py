@@ -35,8 +35,7 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.files import remove_partial_files, write_json_atomic
 from drafter.core.errors import StageError
 from drafter.data.generate import (
-    OpenAIChatBackend,
-    TransformersBackend,
+    backend_factory,
     check_prompt_lengths,
     generate_dataset,
     load_tokenizer,
@@ -74,18 +73,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
     servers = []
     with ExitStack() as stack:
-        # backend() is called only if some shard still needs generating: a retry that finds every
+        # the backend is made only if some shard still needs generating: a retry that finds every
         # shard finished does not start the engine
-        def backend():
-            if serving.backend == "transformers":
-                return TransformersBackend(model_dir, dtype=serving.dtype)
-            from drafter.serving.server import serve
-
-            srv = stack.enter_context(serve(model_dir, serving, log_path=out / "server.log"))
-            servers.append(srv)
-            return OpenAIChatBackend(srv.base_url, srv.model, engine=srv.engine, engine_version=srv.engine_version or "",
-                                     timeout_s=g.request_timeout_s, max_connections=g.concurrency, api_key=srv.api_key)
-
+        backend = backend_factory(stack, model_dir, serving, g, out / "server.log", servers)
         summary = generate_dataset(convs, backend, out, g, target=target, modes=modes)
 
     seconds = round(time.monotonic() - t0, 2)
