@@ -17,6 +17,10 @@ answers, that `eval_offline` and `ab_live` measure on in place of the built-in h
 * **Keyed**: the stages that read the files (`eval_offline`, `ab_live`) have :func:`fingerprint` (size +
   sha256 of each file) in their key, so a changed file is measured again; `train` does not read them.
 
+* **Made from the built-in split at T > 0** (:func:`resample_heldout`, ``drafter heldout-sample``): the
+  held-out prompts with every answer sampled by the served target, so offline T > 0 acceptance is measured
+  on text like a live T > 0 replay's rather than on the split's greedy answers.
+
 Example::
 
     convs = load_heldout(cfg.heldout.files)
