@@ -479,7 +479,7 @@ def test_generate_scrubs_user_conversations_before_sending(tmp_path, tiny_target
             return False
 
     monkeypatch.setattr("drafter.serving.server.serve", FakeServe)
-    monkeypatch.setattr(gen_stage, "OpenAIChatBackend", lambda *a, **kw: backend)
+    monkeypatch.setattr("drafter.data.generate.OpenAIChatBackend", lambda *a, **kw: backend)  # the stage's backend_factory makes it
     metrics = gen_stage.run(cfg, {"prepare_target": _target_artifact(tmp_path, tiny_target)}, tmp_path / "out")
     assert metrics["rows"] == 7 and metrics["input_secrets"] >= len(BUILTIN_KINDS)
     assert bodies and hits([], {"requests": b"\n".join(bodies)}) == []
