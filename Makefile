@@ -42,7 +42,7 @@ images: envs
 	bash deployments/images.sh
 
 env: $(VENV)/.installed
-serve-env: $(SERVE_VENV)/.installed
+serve-env: $(SERVE_VENV)/.installed $(SERVE_VENV)/.plugin
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ $(VENV)/.installed: pyproject.toml
 $(SERVE_VENV)/.installed: deployments/serving-requirements.sh
 	test -x $(SPY) || $(PYTHON) -m venv $(SERVE_VENV)
 	PIP_FLAGS="$(PIP_FLAGS)" bash deployments/serving-requirements.sh $(SPY)
+	touch $@
+
+# the project itself in the serving env, without its dependencies: only for its vLLM plugin (the entry
+# point `vllm.general_plugins` in pyproject.toml: drafter/serving/vllm_fixes.py, loaded by every vLLM process)
+$(SERVE_VENV)/.plugin: pyproject.toml $(SERVE_VENV)/.installed
+	$(SPY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 bench: envs

