@@ -50,7 +50,7 @@ from drafter.core.pipeline import stage_output  # noqa: E402
 from drafter.models import TRAINED_NAME  # noqa: E402
 from drafter.data.prompts import builtin_prompts  # noqa: E402
 from drafter.serving.served_model import drafter_model_dir  # noqa: E402
-from drafter.serving.server import serve  # noqa: E402
+from drafter.serving.server import cpu_sampling_fix_missing, serve, serving_python  # noqa: E402
 
 
 def from_config(cfg) -> tuple[Path, Path, Path]:
@@ -159,6 +159,8 @@ def main() -> None:
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
 
     temps = [float(t) for t in args.temperature.split(",")]
+    if max(temps) > 0 and (broken := cpu_sampling_fix_missing(serving_python(serving))):
+        sys.exit(f"spec_decode: --temperature {max(temps):g}: {broken}")
     methods = [m for m in args.draft_sample_methods.split(",") if m]
     k_cost = args.k - 1 if args.k > 1 else 2  # the second K whose step time gives the served draft cost
     servers = [("no speculation", None, temps, 0)]
