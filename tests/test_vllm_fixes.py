@@ -66,8 +66,9 @@ def test_vllm_cpu_samples_at_t_above_0_correctly_with_the_plugin_and_not_without
 
     upstream = _check(py, VLLM_PLUGINS="lora_filesystem_resolver")
     assert upstream["fixed"] is False
-    assert upstream["expand_kernel"] == [None] * 5  # nothing written: the target logits meet garbage temperatures
-    assert upstream["temperature_applied"] is False
+    # nothing written (deterministic: the output starts as NaN); in a server the temperatures are then whatever
+    # memory `new_empty` returned, so what the target logits meet is not asserted here
+    assert upstream["expand_kernel"] == [None] * 5
 
 
 def test_fix_missing_is_reported_for_a_vllm_cpu_env_without_the_plugin(tmp_path, monkeypatch):
