@@ -10,7 +10,10 @@ the figure to beat: τ / (1 + K·c), the speedup if verifying K+1 tokens cost wh
 (only drafting costs extra). ``c`` (one draft step / one target decode step) is measured on the
 servers themselves (at 1 user): the step time at K minus the step time at the second K, per draft
 position, over the no-speculation server's step time (decode time from vLLM's request histograms,
-prefill excluded) — so for compiled servers it is the compiled draft cost. The offline cost
+prefill excluded) — so for compiled servers it is the compiled draft cost. A drafter with a draft
+vocabulary (``draft_vocab.safetensors`` next to its file, ``train.draft_vocab_size``) is served with it, and once
+more over the whole vocabulary at the lowest temperature: the ratio of the two is what the draft vocabulary
+is worth (``--no-draft-vocab``: the whole vocabulary only). The offline cost
 (transformers, eager, or an eval_offline output with ``--eval-offline DIR``) is printed beside it;
 ``--no-served-cost`` skips the second-K server and uses the offline one.
 
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FULL_VOCAB = "mtp greedy, all vocab"  # the drafter served over the whole vocabulary (next to its draft vocabulary)
 sys.path.insert(0, str(ROOT))
 
 from drafter.evaluation.ab_live import ab_serving, compile_mode, measure, replay_turns  # noqa: E402
@@ -49,6 +53,7 @@ from drafter.core.files import iter_rows  # noqa: E402
 from drafter.core.pipeline import stage_output  # noqa: E402
 from drafter.models import TRAINED_NAME  # noqa: E402
 from drafter.data.prompts import builtin_prompts  # noqa: E402
+from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab  # noqa: E402
 from drafter.serving.served_model import drafter_model_dir  # noqa: E402
 from drafter.serving.server import cpu_sampling_fix_missing, serve, serving_python  # noqa: E402
 
@@ -138,6 +143,10 @@ def main() -> None:
                     help="vLLM draft_sample_method of the drafter's servers, comma-separated (T>0 only, except greedy)")
     ap.add_argument("--no-served-cost", action="store_true",
                     help="skip the server at a second K that measures the served draft cost c (then c is the offline one)")
+    ap.add_argument("--draft-vocab", type=Path, help="a draft_vocab.safetensors for the drafter (default: the one next "
+                    "to the drafter file, i.e. the train output's, when there is one); the drafter is then also served "
+                    "over the whole vocabulary at the lowest temperature, for the ratio")
+    ap.add_argument("--no-draft-vocab", action="store_true", help="serve the drafter over the whole vocabulary only")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -171,14 +180,27 @@ def main() -> None:
     if not args.no_served_cost:
         servers.append((f"mtp K={k_cost}", {**spec, "num_speculative_tokens": k_cost, "draft_sample_method": "greedy"},
                         [min(temps)], k_cost))
+    vocab = None if args.no_draft_vocab or not drafter_file else (
+        args.draft_vocab or (Path(drafter_file).parent / DRAFT_VOCAB_FILE))
+    if vocab is not None and not vocab.is_file():
+        if args.draft_vocab:
+            sys.exit(f"spec_decode: --draft-vocab {vocab} does not exist")
+        vocab = None
+    vocab_size = int(load_draft_vocab(vocab).numel()) if vocab else None
+    if vocab:  # the same drafter over the whole vocabulary: what the draft vocabulary is worth
+        servers.append((FULL_VOCAB, {**spec, "draft_sample_method": "greedy"}, [min(temps)], args.k))
 
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
-        served = drafter_model_dir(model_dir, drafter_file, Path(tmp) / "served") if drafter_file else model_dir
+        def served_dir(name: str) -> Path:  # one path for every server: vLLM's compile cache is keyed by it
+            if not drafter_file:
+                return model_dir
+            return drafter_model_dir(model_dir, drafter_file, Path(tmp) / "served",
+                                     draft_vocab=None if name == FULL_VOCAB else vocab)
         for name, sc, ts, k in servers:
             print(f"[bench] serving {name} ({compile_mode(compiled)}) …", flush=True)
-            log = Path(tmp) / f"{name.replace(' ', '_').replace('=', '')}.log"
-            with serve(served, serving, speculative_config=sc, log_path=log) as srv:
+            log = Path(tmp) / f"{name.replace(' ', '_').replace('=', '').replace(',', '')}.log"
+            with serve(served_dir(name), serving, speculative_config=sc, log_path=log) as srv:
                 measure(srv, turns[:1], concurrency=1, max_tokens=8, temperature=0.0)  # warm-up
                 for t in ts:
                     r = measure(srv, turns, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=t, k=k)
@@ -226,7 +248,8 @@ def main() -> None:
     cost = served_cost if served_cost is not None else offline_cost
     cost_src = f"served, {compile_mode(compiled)}" if served_cost is not None else source
 
-    print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}, vLLM "
+    print(f"\nspeculative decoding — target {model_dir}, drafter {drafter_file or '(its own MTP layer)'}"
+          f"{f' drafting over {vocab_size} tokens ({vocab})' if vocab else ''}, vLLM "
           f"{base0['engine_version']}; {len(turns)} turns, max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
           f"{serving.dtype}, servers {compile_mode(compiled)}"
           f"{', server args ' + ' '.join(serving.extra_args) if serving.extra_args else ''}\n")
@@ -262,8 +285,14 @@ def main() -> None:
             tau_need = 1.3 * (1 + args.k * cost)
             c_need = ((head["tau"] or 1) / 1.3 - 1) / args.k
             print(f"the bound is below 1.3x: it takes τ ≥ {tau_need:.3f} at this c, or c ≤ {c_need:.3f} at this τ")
+    full = next((s for s in summary if s["config"] == FULL_VOCAB), None)
+    if head and full:
+        print(f"draft vocabulary: {vocab_size} tokens vs the whole vocabulary, same drafter, T={t_min:g}: "
+              f"{head['tok_s']:.2f} vs {full['tok_s']:.2f} tok/s = {head['tok_s'] / full['tok_s']:.2f}x "
+              f"(τ {head['tau'] or 1:.3f} vs {full['tau'] or 1:.3f})")
     if args.json:
         args.json.write_text(json.dumps({
+            "draft_vocab": {"path": str(vocab), "size": vocab_size} if vocab else None,
             "target": str(model_dir), "drafter": str(drafter_file) if drafter_file else None, "k": args.k,
             "concurrency": args.concurrency, "turns": len(turns), "max_tokens": args.max_tokens, "compiled": compiled,
             "draft_cost_served": served_cost, "step_overhead_served": overhead, "draft_cost_offline": offline_cost, "draft_cost_offline_source": source,

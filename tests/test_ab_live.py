@@ -317,7 +317,7 @@ def test_timing_delta_from_recorded_vllm_metrics():
 # --------------------------------------------------------------------------- live (slow)
 
 
-def _inputs(tmp_path, tiny_target):
+def _inputs(tmp_path, tiny_target, draft_vocab: list[int] | None = None):
     """Store-like inputs whose live τ is known exactly.
 
     vLLM 0.32 gives an MTP layer the target's ``lm_head`` (whatever ``shared_head.head`` holds), so
@@ -326,7 +326,8 @@ def _inputs(tmp_path, tiny_target):
     skipped → the MTP layer inside the target) has a zero ``shared_head.norm``: it drafts token 0,
     every draft is accepted, τ = 1 + K. The candidate feeds the token embedding through
     (``eh_proj = [I | 0]``) with a non-zero norm, and ``lm_head`` row 0 is zero: it never drafts
-    token 0, τ = 1.
+    token 0, τ = 1 — unless ``draft_vocab`` (its draft vocabulary) holds only token 0: then the project's
+    vLLM plugin restricts its drafts to token 0, and every draft is accepted (τ = 1 + K).
     """
     import shutil
 
@@ -359,6 +360,10 @@ def _inputs(tmp_path, tiny_target):
     train = tmp_path / "train"
     train.mkdir()
     save_file(candidate, str(train / "mtp-trained.safetensors"))
+    if draft_vocab is not None:
+        from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
+
+        save_draft_vocab(draft_vocab, train / DRAFT_VOCAB_FILE)
     return {"prepare_target": Artifact("prepare_target", "k1", pt), "generate": Artifact("generate", "k2", gen),
             "bootstrap_drafter": Artifact("bootstrap_drafter", "k3", tmp_path / "bs", {"status": "skipped"}),
             "train": Artifact("train", "k4", train)}
@@ -382,7 +387,7 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     })
     out = tmp_path / "out"
     out.mkdir()
-    m = run(cfg, _inputs(tmp_path, tiny_target), out)
+    m = run(cfg, _inputs(tmp_path, tiny_target, draft_vocab=[0]), out)
     res = json.loads((out / "ab_live.json").read_text())
     print("\n" + (out / "ab_live.md").read_text(), json.dumps(m))
 
@@ -418,16 +423,19 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
             assert r["num_drafts"] > 0 and r["num_draft_tokens"] == 2 * r["num_drafts"]
             assert len(r["accepted_per_pos"]) == 2 and sum(r["accepted_per_pos"]) == r["num_accepted_tokens"]
             assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4)
-    # the released drafter drafts what the target emits: all accepted; the candidate never: none accepted
+    # the released drafter drafts what the target emits: all accepted. The candidate would never draft it (τ 1),
+    # but its draft vocabulary is token 0 alone: served through the plugin, it drafts token 0 — all accepted
     for r in res["runs"]:
-        if r["temperature"] != 0.0:
-            continue
-        if r["drafter"] == "baseline":
+        if r["temperature"] == 0.0 and r["drafter"] != "none":
             assert r["num_accepted_tokens"] == r["num_draft_tokens"] and r["tau"] == 3.0, r
-        elif r["drafter"] == "candidate":
-            assert r["num_accepted_tokens"] == 0 and r["tau"] == 1.0, r
-    assert m["tau_live_baseline"] == 3.0 and m["tau_live_candidate"] == 1.0
-    # speculation is lossless: with all drafts rejected the T=0 output is unchanged
+    assert m["tau_live_baseline"] == 3.0 and m["tau_live_candidate"] == 3.0
+    assert res["draft_vocab"] == {"candidate": 1, "baseline": None}
+    vocab_line = re.compile(r"Worker.*drafter-release: drafting over 1 of \d+ tokens")
+    for log in ("server-r1-candidate-greedy.log", "server-r1-candidate-probabilistic.log"):
+        assert vocab_line.search((out / "logs" / log).read_text()), log
+    for log in ("server-r1-baseline-greedy.log", "server-r1-baseline-probabilistic.log", "server-r1-none.log"):
+        assert "drafting over" not in (out / "logs" / log).read_text(), log
+    # speculation is lossless: with the drafts restricted the T=0 output is unchanged
     assert res["lossless"] == {"prompts": 3, "identical": 3, "ok": True, "mismatches": []} and m["lossless_ok"] is True
     assert m["speedup_c1_candidate"] == pytest.approx(m["tok_s_c1_candidate"] / m["tok_s_c1_none"], abs=1e-3)
     assert set(res["summary"]) == {f"t0/{d}/{meth}/c{c}" for d, meth in
@@ -452,7 +460,8 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
                          (out / "logs" / log).read_text()), log
     assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
     md = (out / "ab_live.md").read_text()
-    assert "| 0 | candidate | greedy | 1.000 |" in md and "| 1 | candidate | probabilistic |" in md
+    assert "| 0 | candidate | greedy | 3.000 |" in md and "| 1 | candidate | probabilistic |" in md
+    assert "The fine-tuned drafter drafts over 1 tokens" in md
 
 
 def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
@@ -471,7 +480,11 @@ def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
     monkeypatch.setattr(stage, "cpu_sampling_fix_missing", lambda py: None)
     monkeypatch.setattr(stage, "target_dir", lambda art: tmp_path / "model")
     monkeypatch.setattr(stage, "baseline_weights", lambda cfg, inputs: None)
-    monkeypatch.setattr(stage, "drafter_model_dir", lambda model, weights, out: Path(out))
+    def drafter_model_dir(model, weights, out, draft_vocab=None):
+        calls.append(("drafter_model_dir", Path(weights).name, draft_vocab))
+        return Path(out)
+
+    monkeypatch.setattr(stage, "drafter_model_dir", drafter_model_dir)
     monkeypatch.setattr(stage, "linked_model_dir", lambda model, out: Path(out))
 
     @contextlib.contextmanager
@@ -541,12 +554,33 @@ def test_stage_runs_the_matrix_one_server_per_drafter_and_method(tmp_path, monke
     assert res["temperatures"] == [0.0, 1.0] and res["compiled"] is True
     assert res["lossless"] == {"prompts": 2, "identical": 2, "ok": True, "mismatches": []}
     assert list(res["unsupported"]) == ["probabilistic at T=0"]
+    assert res["draft_vocab"] == {"candidate": None, "baseline": None}  # the train output has none
+    assert {c[2] for c in calls if c[0] == "drafter_model_dir"} == {None}
     assert len(res["summary"]) == 16 and res["summary"]["t1/candidate/probabilistic/c2"]["rounds"] == 2
     assert [s["temperatures"] for s in res["servers"][:5]] == [[0.0, 1.0], [0.0, 1.0], [1.0], [0.0, 1.0], [1.0]]
     assert m["tau_live_candidate"] == 1.5 and m["tau_live_candidate_t1_probabilistic"] == 1.65
     assert m["speedup_c2_candidate"] == 1.5 and m["tok_s_c1_none_t1"] == 8.0 and m["compiled"] is True
     md = (out / "ab_live.md").read_text()
     assert "| 1 | candidate | probabilistic | 1.650 | 12.0 | 1.50× |" in md and "servers compiled" in md
+
+
+def test_stage_serves_the_fine_tuned_drafter_with_its_draft_vocabulary_and_the_released_without(tmp_path, monkeypatch):
+    from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path)
+    monkeypatch.setattr("drafter.stages.ab_live.baseline_weights", lambda cfg, inputs: tmp_path / "released.safetensors")
+    vocab = save_draft_vocab(list(range(0, 64, 2)), inputs["train"].path / DRAFT_VOCAB_FILE)
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1], "num_turns": 2, "rounds": 1, "temperature": [0],
+                                                    "draft_sample_methods": ["greedy"]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    run(cfg, inputs, out)
+    assert [c[1:] for c in calls if c[0] == "drafter_model_dir"] == [("released.safetensors", None),
+                                                                     ("mtp-trained.safetensors", vocab)]
+    res = json.loads((out / "ab_live.json").read_text())
+    assert res["draft_vocab"] == {"candidate": 32, "baseline": None}
+    assert "The fine-tuned drafter drafts over 32 tokens" in (out / "ab_live.md").read_text()
 
 
 def test_stage_at_t_above_0_only_checks_losslessness_at_t0_on_its_own(tmp_path, monkeypatch):

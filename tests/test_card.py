@@ -289,7 +289,9 @@ def test_usage_block_and_index(release):
     assert lines[0].startswith("hf download test-org/tiny-mtp --local-dir drafter")
     assert lines[1].startswith("TARGET=/path/to/")
     assert lines[2] == 'mkdir served && ln -s "$TARGET"/* served/ && rm served/model.safetensors.index.json'
-    assert lines[3] == "cp drafter/mtp-trained.safetensors drafter/model.safetensors.index.json served/"
+    # the drafter's draft vocabulary (train.draft_vocab_size 64 in the finished store) goes next to it
+    assert lines[3] == "cp drafter/mtp-trained.safetensors drafter/model.safetensors.index.json drafter/draft_vocab.safetensors served/"
+    assert "`draft_vocab.safetensors` holds the 64 tokens the drafter proposes" in usage
     assert lines[4].startswith("""vllm serve served --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'""")
     assert "--dtype float32 --max-model-len 1024" in lines[4] and "--port" not in lines[4]
     from safetensors import safe_open
@@ -323,7 +325,9 @@ def test_files_table_matches_the_files(release):
     assert rel["release_id"] == res["release_id"] and {f["path"] for f in rel["files"]} == set(on_disk) - {"release.json"}
     assert set(rel["stage_keys"]) >= {"train", "gate", "ab_live"} and rel["metrics"]["live"]["summary"]
     assert {"fp8/mtp-ft.safetensors", "fp8/model.safetensors.index.json", "fp8/fp8-error.json", "fp8/verify.json",
-            "assets/tau_vs_k.png", "assets/train_curves.png"} <= set(on_disk)
+            "assets/tau_vs_k.png", "assets/train_curves.png", "draft_vocab.safetensors"} <= set(on_disk)
+    assert "the draft vocabulary" in rows["draft_vocab.safetensors"]["what it is"]
+    assert re.search(r"- draft vocabulary: 64 of \d+ tokens .*; \d+\.\d % of the held-out", md)
 
 
 @pytest.mark.slow

@@ -133,6 +133,29 @@ def test_drafter_equal_to_target_accepts_everything():
     assert held.alphas["shifted"]["t0"].mean() < 0.5
 
 
+def test_a_draft_vocabulary_mask_limits_what_the_drafter_can_get_accepted():
+    """The oracle drafter served over a draft vocabulary: a position is accepted at T=0 exactly when the
+    target's token is in the vocabulary; an unmasked twin still accepts everything."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(50, 16, generator=g)
+    wins = random_windows(4, 30, 16, seed=1)
+    K = 2
+    masked = OracleDrafter(head)
+    masked.draft_vocab_mask = torch.zeros(50, dtype=torch.bool).index_fill_(0, torch.arange(0, 50, 2), True)
+    held = heldout_alphas({"full": OracleDrafter(head), "even": masked}, head, wins, K)
+    assert np.all(held.alphas["full"]["t0"] == 1.0)
+    want = []  # the target's argmax at t+k for every eligible t
+    for w in wins:
+        top = (w.hidden @ head.T).argmax(-1)
+        for t in range(len(w.input_ids) - K - 1):
+            if bool(w.loss_mask[t + 2:t + K + 2].all()):
+                want.append([float(top[t + k] % 2 == 0) for k in range(1, K + 1)])
+    want = np.array(want)
+    assert 0 < want.mean() < 1 and np.array_equal(held.alphas["even"]["t0"], want)
+    # T=1 probabilistic: the mass outside the vocabulary can never be drafted
+    assert np.all(held.alphas["even"]["t1_prob"] < 1.0 - 1e-6)
+
+
 # --------------------------------------------------------------------------- bootstrap
 
 

@@ -191,7 +191,7 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     summary = run_all(cfg, only=["capture"], echo=lambda *_: None)
     capture = summary["stages"][-1]["path"]
     base = dict(loss="lk_hybrid", k_steps=2, window=32, max_steps=6, warmup_steps=1, lr=1e-3, eval_every=100,
-                eval_windows=4, freeze=["embed_tokens.*"], data_part="all")
+                eval_windows=4, freeze=["embed_tokens.*"], data_part="all", draft_vocab_size=20)
     one = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=4), tmp_path / "one")
     two = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=2, nproc_per_node=2), tmp_path / "two")
     assert one["world_size"] == 1 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
@@ -221,6 +221,23 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     assert cos and min(cos.values()) > 0.95, cos
     eh = next(k for k in a if k.endswith("eh_proj.weight"))
     assert (a[eh] - init[eh]).abs().max() > 1e-3  # training moved the weights: the match is not trivial
+    # train.draft_vocab_size: rank 0 writes the draft vocabulary from the windows it trained on (the same in both runs)
+    from collections import Counter
+
+    from drafter.data.windows import load_windows
+    from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
+
+    ids = load_draft_vocab(tmp_path / "one" / DRAFT_VOCAB_FILE)
+    assert ids.tolist() == load_draft_vocab(tmp_path / "two" / DRAFT_VOCAB_FILE).tolist() and len(ids) == 20
+    train_w = load_windows(capture, "train", "all", 32, min_tokens=4)
+    counts = Counter(t for w in train_w for t in w.input_ids.tolist())
+    assert {t for t, _ in counts.most_common(5)} <= set(ids.tolist())
+    held = torch.cat([w.input_ids[w.loss_mask] for w in load_windows(capture, "heldout", "all", 32, min_tokens=1)])
+    coverage = torch.isin(held, ids).float().mean().item()
+    assert one["draft_vocab"] == {"size": 20, "vocab_size": read_tensor(tiny_target, "lm_head.weight").shape[0],
+                                  "file": DRAFT_VOCAB_FILE, "heldout_coverage": round(coverage, 4),
+                                  "heldout_tokens": len(held)}
+    assert 0 < coverage < 1
 
 
 def test_curves_plot_accuracy_for_ce_and_alpha_for_distribution_losses(tmp_path):

@@ -316,6 +316,11 @@ class TrainConfig(Section):
     save_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the written tensors.")
     nproc_per_node: int = Field(1, ge=1, description="Training processes (one per GPU): >1 runs the same loop under "
                                 "torchrun (gradients averaged across ranks; NCCL on GPUs, gloo on CPU).")
+    draft_vocab_size: int = Field(
+        0, ge=0, description="MTP only: >0 writes `draft_vocab.safetensors` next to the fine-tuned drafter, the N tokens "
+        "it may propose (every token of its training windows, most frequent first, then the lowest ids); vLLM with the "
+        "project's plugin computes draft logits over those rows of the output head only (drafter/serving/draft_vocab.py). "
+        "Lossless; 0 = the whole vocabulary.")
 
 
 class BootstrapConfig(TrainConfig):
@@ -332,6 +337,7 @@ class BootstrapConfig(TrainConfig):
     max_steps: int = Field(200, ge=1, description="Optimizer steps.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
     eval_every: int = Field(100, ge=1, description="Held-out α per position and simulated τ every N steps.")
+    draft_vocab_size: Literal[0] = Field(0, description="Not used: the released drafter drafts over the whole vocabulary.")
 
 
 class DSparkSection(Section):

@@ -608,6 +608,9 @@ def ab_table(result: dict, concurrency: list[int]) -> str:
                  f"{', '.join(f'{t:g}' for t in temps)}, vLLM {result.get('engine_version')}, servers "
                  f"{compile_mode(result.get('compiled'))}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
                  + (f" Every server ran with `{' '.join(result['server_args'])}`." if result.get("server_args") else ""))
+    if (dv := (result.get("draft_vocab") or {}).get("candidate")):
+        lines.append(f"The fine-tuned drafter drafts over {dv} tokens (its draft vocabulary, `train.draft_vocab_size`); "
+                     f"the released one over the whole vocabulary.")
     replay = result.get("replay") or {}
     if replay.get("heldout"):
         lines.append(f"Replayed: {replay['turns']} turns of {replay['conversations']} conversations of the "

@@ -64,7 +64,9 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
     """α [m, k_max] per drafter and rule at the m eligible positions t of one window: the k_max
     predicted tokens x_{t+2}..x_{t+k_max+1} exist and are all assistant tokens. Draft step k at t is
     compared with the target at position t+k; the target's probabilities are computed once (only at
-    the positions needed) and shared by the drafters; logits only at eligible positions."""
+    the positions needed) and shared by the drafters; logits only at eligible positions. A drafter with a
+    ``draft_vocab_mask`` attribute (bool [V]) drafts only the tokens it marks, as vLLM serves it with a draft
+    vocabulary (drafter/serving/draft_vocab.py)."""
     T = len(win.input_ids)
     n = T - k_max - 1
     empty = {d: {r: torch.zeros(0, k_max) for r in RULES} for d in drafters}
@@ -86,6 +88,8 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
         per = {r: [] for r in RULES}
         for k in range(1, k_max + 1):
             q = drafter.logits(k - 1, un.hidden[k - 1][0, t])  # the draft of x_{t+k+1}
+            if (vocab := getattr(drafter, "draft_vocab_mask", None)) is not None:  # served over its draft vocabulary
+                q = q.masked_fill(~vocab, float("-inf"))
             a = rule_alphas(p_need[row[t + k]], q)              # the target at position t+k
             for r in RULES:
                 per[r].append(a[r])
@@ -350,6 +354,9 @@ def render_markdown(res: dict) -> str:
     lines = [f"## Offline acceptance (held-out: {res['conversations']} conversations, {res['positions']} positions)", ""]
     if res.get("heldout"):
         lines += [f"Held-out set: {res['heldout']['text']}; never trained on.", ""]
+    if (dv := (res.get("draft_vocab") or {}).get("candidate")):
+        lines += [f"The fine-tuned drafter is measured over its draft vocabulary of {dv} tokens, as it is served "
+                  f"(`train.draft_vocab_size`); the released one over the whole vocabulary.", ""]
     lines += [f"Intervals: {pct}% bootstrap over conversations ({res['bootstrap_samples']} resamples). "
               f"Draft cost: {res['draft_cost']:.4f} of a target forward "
               f"({'measured on this machine' if res['draft_cost_measured'] else 'configured'}).", ""]

@@ -358,6 +358,7 @@ def _training(cfg, inputs, kind: str = "mtp") -> dict:
             "hardware": f"{world} process(es) on {hw_summary(res['hardware'])}" if res.get("hardware")
             else f"{world} process(es); device {NOT_MEASURED}: the train stage records none",
             "data": data, "data_reasons": {"generate": gwhy, "scrub": swhy, "capture": cwhy},
+            "draft_vocab": res.get("draft_vocab"),
             "tau_before": f3(res["baseline"]["t0"]["tau"]), "tau_after": f3(res["final"]["t0"]["tau"]),
             "raw": {k: v for k, v in res.items() if k != "weights_in"}}
 
@@ -520,6 +521,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
         "files": files, "offline": offline, "live": live, "quant": quant, "training": train, "gate": gate,
         "usage": {"repo_id": repo, "target_short": target["short"], "target_how": target["how"],
                   "drafter_file": drafter_file, "k": k,
+                  "draft_vocab": (train.get("draft_vocab") or {}).get("size") if train.get("ok") and not dspark else None,
                   "method": "dspark" if dspark else (ab or {}).get("method", cfg.ab_live.method),
                   "server_args": live["server_args"] if live.get("ok") else shlex.join(
                       ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]

@@ -32,6 +32,7 @@ from drafter.core.stage import Artifact, canonical_json
 from drafter.core.store import sha256_file
 from drafter.models.dspark import DSPARK_DIR
 from drafter.release.card import card_context, redact_obj, render_card, stage_reason
+from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
 
 RELEASE_JSON = "release.json"
 CARD = "README.md"
@@ -78,6 +79,8 @@ def _what(path: str, drafter_file: str) -> str:
     return {"fp8/mtp-ft.safetensors": "FP8 drop-in: the fine-tuned drafter in the FP8 release's format",
             "fp8/model.safetensors.index.json": "the FP8 release's index with every drafter key pointed at `mtp-ft.safetensors`",
             "fp8/fp8-error.json": "FP8 error per tensor (quantize_fp8)",
+            DRAFT_VOCAB_FILE: "the draft vocabulary: the tokens the drafter proposes (put it next to the served model; "
+                              "read by drafter-release's vLLM plugin, ignored by a vLLM without it)",
             "fp8/verify.json": "FP8 self-check and drop-in checks (verify_fp8)",
             "assets/tau_vs_k.png": "plot: offline τ vs K",
             "assets/acceptance_per_position.png": "plot: offline acceptance per draft position",
@@ -130,8 +133,10 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
 
     if kind == "dspark":  # the draft folder vLLM loads (config.json + model.safetensors)
         shutil.copytree(trained.parent, out / DSPARK_DIR)
-    else:  # the drafter + the target's index pointed at it
+    else:  # the drafter + the target's index pointed at it (+ its draft vocabulary, when it has one)
         shutil.copyfile(trained, out / TRAINED_NAME)
+        if (trained.parent / DRAFT_VOCAB_FILE).is_file():
+            shutil.copyfile(trained.parent / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
     if kind == "mtp" and stage_reason(inputs, "prepare_target") is None:
         tindex = target_dir(inputs["prepare_target"]) / INDEX_NAME
         if tindex.is_file():

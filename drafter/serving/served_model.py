@@ -63,13 +63,18 @@ def drafter_index(index: dict, drafter_keys, drafter_file_name: str, *, allow_ne
 
 
 def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Path | str, *,
-                      config_updates: dict | None = None, allow_new_keys: bool = False) -> Path:
+                      config_updates: dict | None = None, allow_new_keys: bool = False,
+                      draft_vocab: Path | str | None = None) -> Path:
     """Build ``out``: the target at ``target_dir`` with the tensors of ``drafter_file`` in place of its own.
 
     Every key of ``drafter_file`` must already be in the target's index (a typo'd or foreign name is an
     error listing them) unless ``allow_new_keys``. ``config_updates`` are merged into the copied
-    ``config.json`` (e.g. a ``quantization_config``). Idempotent: an existing ``out`` is rebuilt.
+    ``config.json`` (e.g. a ``quantization_config``). ``draft_vocab`` (a ``draft_vocab.safetensors``,
+    drafter/serving/draft_vocab.py) is linked in under that name: the drafter then drafts over those tokens
+    in a vLLM with the project's plugin. Idempotent: an existing ``out`` is rebuilt.
     """
+    from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
+
     from safetensors.torch import load_file
 
     from drafter.core.files import save_safetensors
@@ -99,10 +104,15 @@ def drafter_model_dir(target_dir: Path | str, drafter_file: Path | str, out: Pat
             kept = {k: v for k, v in load_file(str(target_dir / shard)).items() if k not in replaced}
             save_safetensors(kept, str(tmp / shard), metadata={"format": "pt"})
     for item in target_dir.iterdir():
-        if item.name in shards or item.name == INDEX_NAME or item.name == "config.json" or item.suffix == ".safetensors":
+        if (item.name in shards or item.name in (INDEX_NAME, "config.json", DRAFT_VOCAB_FILE)
+                or item.suffix == ".safetensors"):
             continue
         os.symlink(item.resolve(), tmp / item.name)
     os.symlink(drafter_file.resolve(), tmp / DRAFTER_SHARD)
+    if draft_vocab is not None:
+        if not Path(draft_vocab).is_file():
+            raise StageError(f"draft vocabulary {draft_vocab} does not exist")
+        os.symlink(Path(draft_vocab).resolve(), tmp / DRAFT_VOCAB_FILE)
     (tmp / INDEX_NAME).write_text(json.dumps(new_index, indent=2) + "\n")
     config = json.loads((target_dir / "config.json").read_text()) | (config_updates or {})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -13,6 +13,11 @@ and is unaffected.
 `make serve-env` installs the project into the serving env without dependencies so vLLM finds it).
 vLLM loads general plugins in each process before the platform registers its kernel fallbacks, so
 replacing the module attribute is enough. It does nothing off CPU or where Triton is available.
+`register` also installs the draft-vocabulary hook (drafter/serving/draft_vocab.py): when vLLM loads an
+MTP drafter from a model directory holding ``draft_vocab.safetensors``, each draft pass computes logits
+for those rows of the output head only (the others read -inf), so a draft pass stops reading the whole
+head. Without that file nothing changes.
+
 This module imports neither vLLM nor torch at import time.
 """
 
@@ -36,8 +41,100 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
 setattr(expand_kernel_impl, FIXED_MARK, True)
 
 
+# MTP predictors that vLLM builds for our checkpoints: (module, class); each has ``layers`` (a ModuleDict of
+# MTP layers with ``shared_head``), ``mtp_start_layer_idx``, ``num_mtp_layers`` and ``logits_processor``
+MTP_PREDICTORS = (("vllm.model_executor.models.glm4_moe_mtp", "Glm4MoeMultiTokenPredictor"),
+                  ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMultiTokenPredictor"))
+
+
+def _model_dir(vllm_config) -> str | None:
+    import os
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    for cfg in (getattr(spec, "draft_model_config", None), getattr(vllm_config, "model_config", None)):
+        path = getattr(cfg, "model", None)
+        if path and os.path.isdir(path):
+            return path
+    return None
+
+
+def draft_vocab_compute_logits(self, hidden_states, spec_step_idx: int = 0):
+    """``compute_logits`` over the draft vocabulary: the head's rows of ``self._drafter_vocab`` only,
+    scattered into a full-vocabulary tensor of -inf (so argmax and sampling see target token ids)."""
+    import torch
+
+    ids = self._drafter_vocab
+    layer = self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+    weight = layer.shared_head.head.weight
+    cache = self.__dict__.setdefault("_drafter_vocab_rows", {})
+    key = (id(layer), weight.data_ptr(), weight.dtype, ids.data_ptr(), ids.numel())
+    rows = cache.get(key)
+    if rows is None:  # the head is the target's lm_head, shared after loading: gather its rows once
+        cache.clear()
+        rows = cache[key] = weight.index_select(0, ids.to(weight.device)).contiguous()
+    proc = self.logits_processor
+    hidden = layer.shared_head(hidden_states)
+    head_dtype = getattr(proc, "head_dtype", None) or hidden.dtype
+    sub = torch.nn.functional.linear(hidden.to(head_dtype), rows.to(head_dtype))
+    if proc.soft_cap is not None:
+        sub = torch.tanh(sub / proc.soft_cap) * proc.soft_cap
+    if proc.scale != 1.0:
+        sub = sub * proc.scale
+    out = sub.new_full((*sub.shape[:-1], proc.org_vocab_size), float("-inf"))
+    out[..., ids.to(out.device)] = sub
+    return out
+
+
+def _install_draft_vocab_hook() -> None:
+    import importlib
+
+    for module_name, class_name in MTP_PREDICTORS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if getattr(cls.__init__, FIXED_MARK, False):
+            continue
+        original_init, original_logits = cls.__init__, cls.compute_logits
+
+        def __init__(self, *args, _init=original_init, **kwargs):
+            _init(self, *args, **kwargs)
+            self._drafter_vocab = None
+            model_dir = _model_dir(kwargs.get("vllm_config"))
+            if model_dir is None:
+                return
+            from pathlib import Path
+
+            from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
+
+            path = Path(model_dir) / DRAFT_VOCAB_FILE
+            if not path.is_file():
+                return
+            ids = load_draft_vocab(path, self.logits_processor.org_vocab_size)
+            self._drafter_vocab = ids
+            from vllm.logger import init_logger
+
+            init_logger("vllm.drafter_vllm_fixes").info(
+                "drafter-release: drafting over %d of %d tokens (%s)", ids.numel(), self.logits_processor.org_vocab_size, path)
+
+        def compute_logits(self, hidden_states, spec_step_idx: int = 0, _orig=original_logits):
+            if getattr(self, "_drafter_vocab", None) is None:
+                return _orig(self, hidden_states, spec_step_idx)
+            return draft_vocab_compute_logits(self, hidden_states, spec_step_idx)
+
+        setattr(__init__, FIXED_MARK, True)
+        cls.__init__, cls.compute_logits = __init__, compute_logits
+
+
 def register() -> None:
-    """Install the fixed fallback in this process (idempotent; vLLM may call it more than once)."""
+    """Install the fixed fallback and the draft-vocabulary hook in this process (idempotent; vLLM may call
+    it more than once)."""
+    try:
+        _install_draft_vocab_hook()
+    except Exception as e:  # never break vLLM's start: say so and draft over the whole vocabulary
+        import logging
+
+        logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: draft-vocabulary hook not installed: %r", e)
     try:
         from vllm.platforms import current_platform
         from vllm.triton_utils import HAS_TRITON

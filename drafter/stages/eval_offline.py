@@ -45,6 +45,7 @@ from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_a
 from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
 from drafter.training.run import target_embedding
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
+from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import baseline_weights, released_draft
@@ -192,6 +193,12 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)),
                 "candidate": load_drafter(model_dir, layout, weights=candidate)}
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    vocab_file = inputs["train"].path / DRAFT_VOCAB_FILE
+    draft_vocab = None
+    if vocab_file.is_file():  # the fine-tuned drafter is served over its draft vocabulary: measured so here too
+        ids = load_draft_vocab(vocab_file, head.shape[0])
+        drafters["candidate"].draft_vocab_mask = torch.zeros(head.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
+        draft_vocab = int(ids.numel())
     windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2)
 
     with progress("eval_offline", total=len(windows), unit="windows") as bar:
@@ -213,6 +220,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                    samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule)
     res["windows"] = len(windows)
     res["heldout"] = heldout
+    res["draft_vocab"] = {"candidate": draft_vocab, "baseline": None}
     if cost:
         res["draft_cost_timing"] = cost
     write_json_atomic(out / "eval_offline.json", res)
@@ -228,7 +236,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="eval_offline",
-    version="2",  # 2: the held-out set recorded (`heldout`); heldout.files (the user's, captured here)
+    version="3",  # 2: the held-out set recorded (`heldout`); heldout.files (the user's, captured here);
+                  # 3: the fine-tuned drafter measured over its draft vocabulary (train.draft_vocab_size)
     inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
     # capture: the settings the user's held-out files are captured with; scrub: the rules they are scrubbed with
     sections=("eval_offline", "heldout", "baseline", "dspark", "capture", "scrub"),

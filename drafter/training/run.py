@@ -25,6 +25,7 @@ from drafter.core.errors import StageError
 from drafter.core.hardware import describe
 from drafter.training.loop import dist_info, plot_curves, train
 from drafter.data.windows import in_calibration_slice, load_windows
+from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, build_draft_vocab, save_draft_vocab
 
 
 def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weights: Path | None = None,
@@ -48,9 +49,22 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     if rank != 0:
         return {}
     save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
+    vocab = write_draft_vocab(capture, train_w, cfg, out, head.shape[0]) if cfg.draft_vocab_size else None
     return _finish(res, out, title, {"layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps,
                                      "train_windows": len(train_w), "eval_windows": len(eval_w),
-                                     "weights_in": str(weights) if weights else None})
+                                     "weights_in": str(weights) if weights else None, "draft_vocab": vocab})
+
+
+def write_draft_vocab(capture, train_w, cfg: TrainConfig, out: Path, vocab_size: int) -> dict:
+    """``out/draft_vocab.safetensors`` from the training windows' tokens; returns its size and the share of
+    the held-out split's assistant tokens it holds (a token outside it can never be drafted)."""
+    ids = build_draft_vocab((w.input_ids.tolist() for w in train_w), vocab_size=vocab_size, size=cfg.draft_vocab_size)
+    save_draft_vocab(ids, out / DRAFT_VOCAB_FILE, metadata={"built_from": "train windows", "size": str(len(ids))})
+    held = load_windows(capture, "heldout", "all", cfg.window, min_tokens=1)
+    toks = torch.cat([w.input_ids[w.loss_mask] for w in held]) if held else torch.zeros(0, dtype=torch.long)
+    inside = torch.isin(toks, torch.tensor(ids)).float().mean().item() if len(toks) else None
+    return {"size": len(ids), "vocab_size": vocab_size, "file": DRAFT_VOCAB_FILE,
+            "heldout_coverage": None if inside is None else round(inside, 4), "heldout_tokens": len(toks)}
 
 
 def _finish(res: dict, out: Path, title: str, extra: dict) -> dict:

@@ -22,7 +22,7 @@ def finished_store_config(tiny_target: Path, root: Path) -> Path:
         "bootstrap_drafter": {"enabled": "on", "window": 32, "micro_batch": 1, "max_steps": 2, "warmup_steps": 1,
                               "eval_windows": 2, "eval_every": 2},
         "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 3, "warmup_steps": 1, "eval_windows": 2,
-                  "eval_every": 3},
+                  "eval_every": 3, "draft_vocab_size": 64},
         "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
         "verify_fp8": {"vllm_load": False},
         "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 2, "rounds": 1, "max_tokens": 8,
