@@ -218,6 +218,10 @@ def test_config_names_the_missing_capture_layers_and_a_mismatched_release(tiny_t
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     with pytest.raises(ConfigError, match=r"capture.layers \[1\] lacks \[2\].*dspark.target_layer_ids \[0, 1\]"):
         load_config(tmp_path / "bad.yaml")
+    vocab = _config(tiny_target, tmp_path, train={"draft_vocab_size": 64})
+    (tmp_path / "vocab.yaml").write_text(yaml.safe_dump(vocab))
+    with pytest.raises(ConfigError, match=r"train.draft_vocab_size 64: a draft vocabulary is for MTP drafters"):
+        load_config(tmp_path / "vocab.yaml")
     none = _config(tiny_target, tmp_path, dspark={"enabled": True})
     (tmp_path / "none.yaml").write_text(yaml.safe_dump(none))
     with pytest.raises(ConfigError, match="dspark.target_layer_ids"):

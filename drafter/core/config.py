@@ -761,6 +761,9 @@ class ReleaseConfig(Section):
                 raise ValueError(f"capture.layers {self.capture.layers} lacks {missing}: dspark.target_layer_ids "
                                  f"{self.dspark.target_layer_ids} read the outputs of those decoder layers, stored as "
                                  f"capture layers i+1 (set capture.layers to include {need})")
+            if self.train.draft_vocab_size:
+                raise ValueError(f"train.draft_vocab_size {self.train.draft_vocab_size}: a draft vocabulary is for MTP "
+                                 f"drafters (vLLM's DSpark drafts are not hooked); set it to 0 with dspark.enabled")
         return self
 
 

@@ -94,9 +94,6 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> M
     if cfg.baseline.weights is not None:
         raise BadInputError("baseline.weights (a champion) is for MTP drafters; a DSpark release compares with "
                             "dspark.released (or the bootstrap)")
-    if cfg.train.draft_vocab_size:
-        raise BadInputError(f"train.draft_vocab_size {cfg.train.draft_vocab_size}: a draft vocabulary is for MTP drafters "
-                            "(vLLM's DSpark drafts are not hooked); set it to 0 with dspark.enabled")
     model_dir = target_dir(inputs["prepare_target"])
     c, d = cfg.train, cfg.dspark
     weights = released_draft(cfg, inputs)
