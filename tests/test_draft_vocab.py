@@ -117,6 +117,25 @@ def test_plugin_logits_follow_a_replaced_head():
     torch.testing.assert_close(got[:, [0, 5, 7]], pred.full_logits(hidden)[:, [0, 5, 7]], rtol=1e-5, atol=1e-5)
 
 
+def test_plugin_logits_refuse_a_sharded_or_quantized_head():
+    """Under tensor parallelism each rank holds a slice of the head, and a quantized head needs its scales:
+    the plugin then returns None (vLLM's own logits are used) rather than gather wrong rows."""
+    g = torch.Generator().manual_seed(2)
+    pred = _Predictor(torch.randn(30, 8, generator=g))
+    pred._drafter_vocab = torch.tensor([0, 5, 7])
+    hidden = torch.randn(2, 8, generator=g)
+    assert vllm_fixes.draft_vocab_compute_logits(pred, hidden) is not None
+    pred.logits_processor.org_vocab_size = 60  # a rank's shard of a 60-token head
+    assert vllm_fixes.draft_vocab_compute_logits(pred, hidden) is None
+    assert "sharded" in vllm_fixes.head_unsupported(pred.layers["30"].shared_head.head, 60)
+    assert "float8" in vllm_fixes.head_unsupported(_Head(torch.zeros(30, 8).to(torch.float8_e4m3fn)), 30)
+    head = _Head(torch.zeros(30, 8))
+    head.quant_method = type("Fp8LinearMethod", (), {})()
+    assert "quantized (Fp8LinearMethod)" in vllm_fixes.head_unsupported(head, 30)
+    head.quant_method = type("UnquantizedEmbeddingMethod", (), {})()
+    assert vllm_fixes.head_unsupported(head, 30) is None
+
+
 def test_served_model_dir_links_the_draft_vocabulary(tmp_path):
     from tests.helpers.targets import make_tiny_target
 

@@ -58,14 +58,39 @@ def _model_dir(vllm_config) -> str | None:
     return None
 
 
+def head_unsupported(head, vocab_size: int) -> str | None:
+    """Why the draft vocabulary cannot be applied to ``head`` (None when it can): it needs the whole head in
+    one process (no tensor-parallel shard) holding plain float weights (no quantized head with scales)."""
+    import torch
+
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] < vocab_size:
+        return "the output head is sharded (tensor parallelism) or has no plain weight"
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the output head is {weight.dtype} (quantized)"
+    method = type(getattr(head, "quant_method", None)).__name__
+    if method not in ("NoneType", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
+        return f"the output head is quantized ({method})"
+    return None
+
+
 def draft_vocab_compute_logits(self, hidden_states, spec_step_idx: int = 0):
     """``compute_logits`` over the draft vocabulary: the head's rows of ``self._drafter_vocab`` only,
-    scattered into a full-vocabulary tensor of -inf (so argmax and sampling see target token ids)."""
+    scattered into a full-vocabulary tensor of -inf (so argmax and sampling see target token ids).
+    None when the head does not allow it (:func:`head_unsupported`): the caller then computes all logits."""
     import torch
 
     ids = self._drafter_vocab
     layer = self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
     weight = layer.shared_head.head.weight
+    if (why := head_unsupported(layer.shared_head.head, self.logits_processor.org_vocab_size)) is not None:
+        if not self.__dict__.get("_drafter_vocab_refused"):
+            self._drafter_vocab_refused = True
+            import logging
+
+            logging.getLogger("vllm.drafter_vllm_fixes").warning(
+                "drafter-release: draft vocabulary not applied, drafting over the whole vocabulary: %s", why)
+        return None
     cache = self.__dict__.setdefault("_drafter_vocab_rows", {})
     key = (id(layer), weight.data_ptr(), weight.dtype, ids.data_ptr(), ids.numel())
     rows = cache.get(key)
@@ -120,7 +145,8 @@ def _install_draft_vocab_hook() -> None:
         def compute_logits(self, hidden_states, spec_step_idx: int = 0, _orig=original_logits):
             if getattr(self, "_drafter_vocab", None) is None:
                 return _orig(self, hidden_states, spec_step_idx)
-            return draft_vocab_compute_logits(self, hidden_states, spec_step_idx)
+            out = draft_vocab_compute_logits(self, hidden_states, spec_step_idx)
+            return _orig(self, hidden_states, spec_step_idx) if out is None else out
 
         setattr(__init__, FIXED_MARK, True)
         cls.__init__, cls.compute_logits = __init__, compute_logits
