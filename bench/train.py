@@ -2,7 +2,7 @@
 in the LM head (the part worth fusing or chunking) — the MTP step and the DSpark block step.
 
     .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
-                                    [--threads N] [--kinds mtp,dspark]
+                                    [--threads N] [--kinds mtp,dspark] [--draft-vocab 8192]
                                     [--block 5] [--anchors 64] [--markov-rank 64]
 
 Uses the demo store's target and captured features when present (run `make demo` first),
@@ -12,7 +12,9 @@ reference (transformers' own MoE forward: every routed expert and the shared exp
 autograd, ``fused=False``) and the step as training runs it (the exact shortcuts of
 ``drafter.models.mtp.OnePassMoE``, the fused ``drafter.training.losses.LKHybridRows``); it prints both
 tokens/s, their ratio and both paths' loss of every window (equal within float tolerance); a third path runs
-the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision. Then the
+the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision; two more run
+it over a draft vocabulary (``--draft-vocab``, `train.draft_vocab_size`: the restricted distributions' loss, in
+float32 and bf16 — the demo's step). Then the
 same step's LM-head work alone (the draft head forward/backward and the target head forward on the
 same shapes) and its share of the step. Then a DSpark step on the same windows
 (configs/demo-dspark.yaml's draft: one decoder layer over three target layers, blocks of ``--block``,
@@ -39,7 +41,8 @@ from drafter.training import losses as L  # noqa: E402
 from drafter.core.config import TrainConfig  # noqa: E402
 from drafter.models import freeze, layout_for, load_drafter  # noqa: E402
 from drafter.models.target import read_tensor  # noqa: E402
-from drafter.training.loop import window_loss  # noqa: E402
+from drafter.training.loop import VocabHead, window_loss  # noqa: E402
+from drafter.serving.draft_vocab import build_draft_vocab  # noqa: E402
 from drafter.data.windows import Window, load_windows  # noqa: E402
 
 
@@ -115,6 +118,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--markov-rank", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--kinds", default="mtp,dspark", help="steps to measure, comma-separated")
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="also time the step over a draft vocabulary of N tokens (train.draft_vocab_size), fp32 and "
+                         "bf16; 0: skip")
     return ap.parse_args()
 
 
@@ -167,8 +173,13 @@ def main(kind: str | None = None) -> dict | None:
     n_train, n_frozen = freeze(drafter, cfg.freeze)
     fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)
     bf16 = copy.deepcopy(drafter)  # the exact shortcuts under `train.dtype: bfloat16` (autocast): not exact
-    drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward (and the autograd loss)
     paths = {"reference": drafter, "new": fast, "bf16": bf16}
+    vocab = None
+    if args.draft_vocab:  # the step over a draft vocabulary: a different loss by definition (restricted distributions)
+        ids = build_draft_vocab((w.input_ids.tolist() for w in wins), vocab_size=V, size=min(args.draft_vocab, V))
+        vocab = VocabHead.of(ids, head)
+        paths |= {"vocab": copy.deepcopy(drafter), "vocab_bf16": copy.deepcopy(drafter)}
+    drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward (and the autograd loss)
     opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     print(f"target {target} (H={H}, V={V}); {source}; K={args.k}, window {args.window}, micro batch {args.micro_batch}; "
@@ -178,8 +189,9 @@ def main(kind: str | None = None) -> dict | None:
         d, opt, toks, losses = paths[path], opts[path], 0, []
         for j in range(args.micro_batch):
             w = wins[(i * args.micro_batch + j) % len(wins)]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "bf16"):
-                loss, _ = window_loss(d, head, w, cfg, weights, fused=path != "reference")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path in ("bf16", "vocab_bf16")):
+                loss, _ = window_loss(d, head, w, cfg, weights, fused=path != "reference",
+                                      vocab=vocab if path.startswith("vocab") else None)
             (loss / args.micro_batch).backward()
             toks += len(w.input_ids)
             losses.append(float(loss.detach()))
@@ -224,7 +236,11 @@ def main(kind: str | None = None) -> dict | None:
     tok_s = {path: toks / t[path] for path in paths}
     print(f"\n{'MTP step':<40}{'s/step':>10}{'tokens/s':>12}{'ratio':>8}")
     for path, name in (("reference", "reference (all experts, autograd loss)"), ("new", "new (exact shortcuts, fused loss)"),
-                       ("bf16", "new, bf16 autocast (not exact)")):
+                       ("bf16", "new, bf16 autocast (not exact)"),
+                       ("vocab", f"new, over {args.draft_vocab} draft tokens"),
+                       ("vocab_bf16", f"new, {args.draft_vocab} draft tokens, bf16")):
+        if path not in paths:
+            continue
         print(f"{name:<40}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
     print(f"{'LM head + loss only':<40}{t_head / args.steps:>10.3f}{'':>12}{'':>8}"
           f"  share of the new step {t_head / t['new']:.2f}, of the reference {t_head / t['reference']:.2f}")
@@ -237,7 +253,12 @@ def main(kind: str | None = None) -> dict | None:
     print("  bf16      " + " ".join(f"{x:.6f}" for x in losses["bf16"]))
     print(f"  bf16 autocast (`train.dtype: bfloat16`, an option, not the default): largest relative difference {d16:.2e}")
     print(f"\nnew / reference: tokens/s {tok_s['new'] / tok_s['reference']:.2f}× (exact); bf16 autocast / reference "
-          f"{tok_s['bf16'] / tok_s['reference']:.2f}× (not exact); peak RSS {peak_rss_mb():,.0f} MiB (all three drafters)")
+          f"{tok_s['bf16'] / tok_s['reference']:.2f}× (not exact); peak RSS {peak_rss_mb():,.0f} MiB (all drafters)")
+    if vocab is not None:
+        print(f"over a draft vocabulary of {len(vocab.ids)} tokens (train.draft_vocab_size: the loss of the restricted "
+              f"distributions, another number by definition): tokens/s {tok_s['vocab'] / tok_s['new']:.2f}× the new step, "
+              f"{tok_s['vocab'] / tok_s['reference']:.2f}× the reference; with bf16 autocast (the demo's step) "
+              f"{tok_s['vocab_bf16'] / tok_s['reference']:.2f}× the reference")
     return {"s_step": t["new"] / args.steps, "tok_s": tok_s["new"], "peak_mb": peak_rss_mb()}
 
 

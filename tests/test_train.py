@@ -3,6 +3,7 @@ and a run killed mid-way resumes to bit-identical weights."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -100,6 +101,62 @@ def test_exact_shortcuts_train_as_the_reference(tiny_target, tiny_setup, frozen)
     assert all(torch.allclose(ref_sd[k], new_sd[k], rtol=1e-4, atol=1e-6) for k in ref_sd)
     ex = new_sd["layers.0.mtp_block.mlp.experts.down_proj"]
     assert torch.equal(ex[0], ex[1])  # still identical: the shortcut stayed exact throughout
+
+
+@pytest.mark.parametrize("loss", ["lk_hybrid", "kl", "ce"])
+def test_window_loss_over_a_draft_vocabulary_is_the_loss_of_the_restricted_distributions(tiny_target, tiny_setup, loss):
+    """With a draft vocabulary V' the loss (value and gradients) is the one computed, by the plain loss
+    functions, on both logits restricted to V' (the target's distribution renormalised over V'); CE
+    counts only labels inside V' — and the whole-vocabulary loss is a different number."""
+    from drafter.training import losses as L
+    from drafter.training.loop import VocabHead, window_loss
+
+    train_w, _, head = tiny_setup
+    cfg = small_cfg(loss=loss)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    w = train_w[0]
+    counts = Counter(w.input_ids[w.loss_mask].tolist())  # assistant tokens: the labels
+    ids = sorted({t for t, _ in counts.most_common(6)} | {head.shape[0] - 1})  # some labels fall outside
+    vocab = VocabHead.of(ids, head)
+    d = load_drafter(tiny_target, EmbeddedGlm4MoeLayout())
+    freeze(d, cfg.freeze)
+    got, _ = window_loss(d, head, w, cfg, weights, vocab=vocab)
+    got.backward()
+    g_got = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+    assert "layers.0.shared_head.head.weight" in g_got  # trainable here: its rows V' get the gradient
+    d.zero_grad(set_to_none=True)
+
+    # by hand: the whole-vocabulary logits, then their columns V'
+    T, cols = len(w.input_ids), torch.tensor(ids)
+    un = d.unroll(w.input_ids[None], w.hidden[None], cfg.k_steps, w.positions[None])
+    total, wsum = 0.0, 0.0
+    for k in range(1, cfg.k_steps + 1):
+        n = T - k - 1
+        t = torch.nonzero(w.loss_mask[k + 1:k + 1 + n]).flatten()
+        labels = w.input_ids[k + 1 + t]
+        if loss == "ce":
+            inside = torch.isin(labels, cols)
+            t, labels = t[inside], torch.searchsorted(cols, labels[inside])
+        if len(t) == 0:
+            continue
+        q = un.logits[k - 1][0, t][:, cols]
+        p = (w.hidden[t + k] @ head.T)[:, cols]
+        lk, _ = L.ce(q, labels) if loss == "ce" else L.position_loss(cfg, q, p, labels, fused=False)
+        total, wsum = total + float(weights[k - 1]) * lk, wsum + float(weights[k - 1])
+    want = total / wsum
+    want.backward()
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert g_got.keys() == {n for n, p in d.named_parameters() if p.grad is not None}
+    for name, g in g_got.items():
+        ref = d.get_parameter(name).grad
+        assert (g - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-7, (name, float((g - ref).abs().max()), float(ref.abs().max()))
+    whole, _ = window_loss(d, head, w, cfg, weights)
+    assert abs(float(whole) - float(got)) > 1e-3
+    assert vocab.mask().sum() == len(ids) and vocab.mask()[ids].all()
+    with pytest.raises(ValueError, match="distinct token ids"):
+        VocabHead.of([1, 1], head)
+    with pytest.raises(ValueError, match="distinct token ids"):
+        VocabHead.of([head.shape[0]], head)
 
 
 def test_kill_and_resume_gives_identical_weights(tiny_target, tiny_setup, tmp_path):
@@ -236,7 +293,7 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     coverage = torch.isin(held, ids).float().mean().item()
     assert one["draft_vocab"] == {"size": 20, "vocab_size": read_tensor(tiny_target, "lm_head.weight").shape[0],
                                   "file": DRAFT_VOCAB_FILE, "heldout_coverage": round(coverage, 4),
-                                  "heldout_tokens": len(held)}
+                                  "heldout_tokens": len(held), "trained_over": True}
     assert 0 < coverage < 1
 
 

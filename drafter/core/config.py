@@ -320,7 +320,8 @@ class TrainConfig(Section):
         0, ge=0, description="MTP only: >0 writes `draft_vocab.safetensors` next to the fine-tuned drafter, the N tokens "
         "it may propose (every token of its training windows, most frequent first, then the lowest ids); vLLM with the "
         "project's plugin computes draft logits over those rows of the output head only (drafter/serving/draft_vocab.py). "
-        "Lossless; 0 = the whole vocabulary.")
+        "The fine-tune trains over it too: draft and target logits over those tokens (the target's distribution "
+        "renormalised over them; CE counts only labels inside), a head |V'|/|V| the cost. Lossless; 0 = the whole vocabulary.")
 
 
 class BootstrapConfig(TrainConfig):

@@ -49,9 +49,11 @@ def rule_alphas(p: torch.Tensor, q_logits: torch.Tensor) -> dict[str, torch.Tens
     }
 
 
-def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int,
+                  vocab_mask: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """α per rule, shape [n, K] for the n = T−K−1 positions with all K targets; and their eligibility
-    (all K predicted tokens are assistant tokens)."""
+    (all K predicted tokens are assistant tokens). ``vocab_mask`` (bool [V]): the draft drafts only
+    those tokens (a draft vocabulary, as served)."""
     T = len(win.input_ids)
     n = T - k_steps - 1
     if n <= 0:
@@ -61,7 +63,10 @@ def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int)
     elig = torch.ones(n, dtype=torch.bool)
     p_all = F.softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
     for k in range(1, k_steps + 1):
-        a = rule_alphas(p_all[k - 1:k - 1 + n], un.logits[k - 1][0, :n])  # the target at position t+k
+        q = un.logits[k - 1][0, :n]
+        if vocab_mask is not None:
+            q = q.masked_fill(~vocab_mask, float("-inf"))
+        a = rule_alphas(p_all[k - 1:k - 1 + n], q)  # the target at position t+k
         for r in RULES:
             out[r].append(a[r])
         elig &= win.loss_mask[k + 1:k + 1 + n]
@@ -83,13 +88,15 @@ def summarize(alphas: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def acceptance(drafter, head_weight: torch.Tensor, windows: Iterable[Window], k_steps: int) -> dict[str, dict]:
-    """Acceptance under the three rules over all eligible positions of ``windows``."""
+def acceptance(drafter, head_weight: torch.Tensor, windows: Iterable[Window], k_steps: int,
+               vocab_mask: torch.Tensor | None = None) -> dict[str, dict]:
+    """Acceptance under the three rules over all eligible positions of ``windows`` (the draft over
+    ``vocab_mask``'s tokens only, when given)."""
     was_training = drafter.training
     drafter.eval()
     acc = {r: [] for r in RULES}
     for w in windows:
-        a, elig = window_alphas(drafter, head_weight, w, k_steps)
+        a, elig = window_alphas(drafter, head_weight, w, k_steps, vocab_mask)
         for r in RULES:
             acc[r].append(a[r][elig])
     drafter.train(was_training)

@@ -65,8 +65,9 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
     predicted tokens x_{t+2}..x_{t+k_max+1} exist and are all assistant tokens. Draft step k at t is
     compared with the target at position t+k; the target's probabilities are computed once (only at
     the positions needed) and shared by the drafters; logits only at eligible positions. A drafter with a
-    ``draft_vocab_mask`` attribute (bool [V]) drafts only the tokens it marks, as vLLM serves it with a draft
-    vocabulary (drafter/serving/draft_vocab.py)."""
+    ``draft_vocab_ids`` attribute (token ids [V']) drafts only those tokens, as vLLM serves it with a draft
+    vocabulary (drafter/serving/draft_vocab.py): its logits are computed on those rows of the head only
+    and every other token gets −∞."""
     T = len(win.input_ids)
     n = T - k_max - 1
     empty = {d: {r: torch.zeros(0, k_max) for r in RULES} for d in drafters}
@@ -87,9 +88,12 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
         un = drafter.unroll(win.input_ids[None], win.hidden[None], k_max, win.positions[None], compute_logits=False)
         per = {r: [] for r in RULES}
         for k in range(1, k_max + 1):
-            q = drafter.logits(k - 1, un.hidden[k - 1][0, t])  # the draft of x_{t+k+1}
-            if (vocab := getattr(drafter, "draft_vocab_mask", None)) is not None:  # served over its draft vocabulary
-                q = q.masked_fill(~vocab, float("-inf"))
+            h = un.hidden[k - 1][0, t]
+            if (ids := getattr(drafter, "draft_vocab_ids", None)) is not None:  # served over its draft vocabulary
+                q = torch.full((len(t), p_need.shape[-1]), float("-inf"))
+                q[:, ids] = drafter.logits(k - 1, h, rows=ids).float()
+            else:
+                q = drafter.logits(k - 1, h)  # the draft of x_{t+k+1}
             a = rule_alphas(p_need[row[t + k]], q)              # the target at position t+k
             for r in RULES:
                 per[r].append(a[r])

@@ -311,9 +311,13 @@ class MTPDrafter(nn.Module):
 
     # ------------------------------------------------------------------ one step
 
-    def logits(self, layer_idx: int, hidden: Tensor) -> Tensor:
-        """``shared_head.head(shared_head.norm(hidden))`` of layer ``layer_idx % n_layers``."""
-        return self.layers[layer_idx % self.n_layers].shared_head(hidden)
+    def logits(self, layer_idx: int, hidden: Tensor, rows: Tensor | None = None) -> Tensor:
+        """``shared_head.head(shared_head.norm(hidden))`` of layer ``layer_idx % n_layers``; with ``rows``
+        (token ids [V']) only those rows of the head: logits [..., V'] over a draft vocabulary."""
+        head = self.layers[layer_idx % self.n_layers].shared_head
+        if rows is None:
+            return head(hidden)
+        return F.linear(head.norm(hidden), head.head.weight[rows])
 
     def _recycle(self, layer: MTPLayer, out: Tensor) -> Tensor:
         return layer.shared_head.norm(out) if self.recycle_normed else out

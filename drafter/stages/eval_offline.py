@@ -197,7 +197,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     draft_vocab = None
     if vocab_file.is_file():  # the fine-tuned drafter is served over its draft vocabulary: measured so here too
         ids = load_draft_vocab(vocab_file, head.shape[0])
-        drafters["candidate"].draft_vocab_mask = torch.zeros(head.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
+        drafters["candidate"].draft_vocab_ids = ids
         draft_vocab = int(ids.numel())
     windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2)
 

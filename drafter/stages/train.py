@@ -145,8 +145,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="train",
-    version="3",  # 2: a DSpark fine-tune Platt-scales its confidence head on a slice it did not train on;
-                  # 3: train.draft_vocab_size (draft_vocab.safetensors)
+    version="4",  # 2: a DSpark fine-tune Platt-scales its confidence head on a slice it did not train on;
+                  # 3: train.draft_vocab_size (draft_vocab.safetensors); 4: the fine-tune trains over the draft
+                  # vocabulary, and the held-out checks mask to it
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
     sections=("train", "ablation", "baseline", "dspark"),
     run=run,

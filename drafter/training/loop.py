@@ -5,6 +5,12 @@ the drafter drafts K steps (step k fed its own hidden state from step k−1 and 
 x_{t+k}); the target distribution at step k is the target's LM head applied to the captured
 LM-head input at t+k (recomputed, never stored); the step losses are weighted exp(−k/γ).
 
+With a draft vocabulary (``train.draft_vocab_size``, :class:`VocabHead`) the drafter trains as vLLM
+serves it (drafter/serving/draft_vocab.py): both its logits and the target's are computed over those
+tokens only, so every loss compares the draft with the target's distribution restricted to the draft
+vocabulary (renormalised over it); CE counts only data tokens inside it. The output head, the most
+expensive part of a step, then costs |V'|/|V| of the whole-vocabulary one.
+
 The loop checkpoints every ``checkpoint_every`` steps into ``workdir/ckpt`` (model, optimizer,
 step, history; written atomically). A retry resumes from the last checkpoint: the data order is
 a function of (seed, index), so the resumed run reaches the same final weights as an
@@ -26,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from dataclasses import dataclass
+
 from drafter.training import losses as L
 from drafter.evaluation.acceptance import acceptance, target_logits
 from drafter.core.config import TrainConfig
@@ -34,10 +42,37 @@ from drafter.core.progress import progress
 from drafter.data.windows import Window, window_order
 
 
+TOKEN_LOSSES = ("ce", "ce_l1")  # the losses that read the data token
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """A draft vocabulary for training: ``ids`` [V'] (token ids), ``weight`` [V', H] (those rows of the
+    target's head, for the target's logits) and ``index`` [V] (a token's position in ``ids``, −1 outside)."""
+    ids: torch.Tensor
+    weight: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, ids, head_weight: torch.Tensor) -> "VocabHead":
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        V = head_weight.shape[0]
+        if ids.ndim != 1 or len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or len(ids.unique()) != len(ids):
+            raise ValueError(f"a draft vocabulary must be distinct token ids in [0, {V}); got {len(ids)} ids")
+        index = torch.full((V,), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        return cls(ids, head_weight.detach()[ids].contiguous(), index)
+
+    def mask(self) -> torch.Tensor:
+        """bool [V]: the tokens the drafter may draft."""
+        return self.index >= 0
+
+
 def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfig, weights: torch.Tensor,
-                fused: bool = True):
+                fused: bool = True, vocab: VocabHead | None = None):
     """Weighted sum over draft positions of the configured loss on one window → (loss, per-step stats).
-    ``fused``: see :func:`drafter.training.losses.position_loss`.
+    ``fused``: see :func:`drafter.training.losses.position_loss`. ``vocab``: train over a draft
+    vocabulary (the module docstring); ``head_weight`` stays the whole head.
 
     Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
     assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
@@ -48,7 +83,7 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
     if cfg.loss != "ce":  # the target's logits at positions j = 1..T-2 whose next token counts, once for every step
         need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
         with torch.no_grad():
-            target = target_logits(win.hidden[need], head_weight)
+            target = target_logits(win.hidden[need], head_weight if vocab is None else vocab.weight)
         row_of = torch.full((T,), -1, dtype=torch.long)
         row_of[need] = torch.arange(len(need))
     total, wsum, stats = 0.0, 0.0, []
@@ -57,10 +92,13 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
         if n <= 0:
             break
         sel = torch.nonzero(win.loss_mask[k + 1:k + 1 + n]).flatten()  # positions t that count
+        tokens = win.input_ids[k + 1 + sel]
+        if vocab is not None and cfg.loss in TOKEN_LOSSES:  # a token outside the draft vocabulary: not a label
+            inside = vocab.index[tokens] >= 0
+            sel, tokens = sel[inside], vocab.index[tokens[inside]]
         if len(sel) == 0:
             continue
-        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel])
-        tokens = win.input_ids[k + 1 + sel]
+        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel], rows=None if vocab is None else vocab.ids)
         p = None if target is None else target[row_of[sel + k]]  # the target at position t+k
         loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused)
         w = float(weights[k - 1])
@@ -128,12 +166,14 @@ def _load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
 def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_windows: list[Window],
           cfg: TrainConfig, workdir: Path, log: Callable[[str], None] = print,
           stop_after: int | None = None, *, loss_fn: Callable[[Window], tuple] | None = None,
-          evaluate: Callable[[], dict] | None = None) -> dict:
+          evaluate: Callable[[], dict] | None = None, draft_vocab=None) -> dict:
     """Train ``drafter`` in place; returns the history and the held-out acceptance before and after.
 
     ``loss_fn(window) → (loss, per-position stats)`` and ``evaluate() → {rule: {"tau", "alpha", …}}``
     default to the MTP unroll (:func:`window_loss`, :func:`~drafter.evaluation.acceptance.acceptance`
     over ``eval_windows``); a DSpark draft passes its block loss and block acceptance.
+    ``draft_vocab``: token ids the drafter drafts over, as served (``train.draft_vocab_size``): the default
+    loss trains over them (:class:`VocabHead`) and the held-out checks mask the draft to them.
     ``stop_after``: stop (as if killed) after this many optimizer steps of this call — for tests.
     """
     workdir = Path(workdir)
@@ -148,10 +188,12 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     head_weight = head_weight.detach().float()
+    vocab = None if draft_vocab is None else VocabHead.of(draft_vocab, head_weight)
     if loss_fn is None:
-        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights)  # noqa: E731
+        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights, vocab=vocab)  # noqa: E731
     if evaluate is None:
-        evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps)  # noqa: E731
+        mask = None if vocab is None else vocab.mask()
+        evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps, vocab_mask=mask)  # noqa: E731
 
     start, history = 0, []
     latest = ckdir / "latest.pt"
@@ -173,6 +215,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     drafter.train()
     t0, tokens = time.monotonic(), 0
     done_now = 0
+    last_eval = None  # the held-out check at the last step is the result's `final`
     # each optimizer step consumes per_step × world windows of one seeded stream: rank r takes its
     # own slice, so N ranks × micro batch m see the windows of 1 rank × micro batch N·m
     with progress("train" if rank == 0 else f"train (rank {rank})", total=cfg.max_steps, unit="steps") as bar:
@@ -203,6 +246,8 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
                         rec[f"{key}_{k + 1}"] = sum(xs) / len(xs)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 ev = evaluate()
+                if step + 1 == cfg.max_steps:
+                    last_eval = ev
                 rec["eval"] = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items() if "tau" in v}
                 if "calibration" in ev:  # a DSpark draft's confidence head
                     rec["eval"]["calibration"] = {"ece": ev["calibration"]["ece"]}
@@ -222,7 +267,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         count = torch.tensor([tokens], dtype=torch.int64)
         dist.all_reduce(count)
         tokens = int(count)
-    final = evaluate()
+    final = last_eval if last_eval is not None else evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
             "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
             "resumed_from": start, "world_size": world}

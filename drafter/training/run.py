@@ -45,26 +45,30 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     head = read_tensor(model_dir, "lm_head.weight", torch.float32)
     train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=cfg.k_steps + 2)
     eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=cfg.k_steps + 2, max_windows=cfg.eval_windows)
-    res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log)
+    # the draft vocabulary is chosen before training: the drafter trains over it, as it will be served
+    ids = (build_draft_vocab((w.input_ids.tolist() for w in train_w), vocab_size=head.shape[0], size=cfg.draft_vocab_size)
+           if cfg.draft_vocab_size else None)
+    res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log, draft_vocab=ids)
     if rank != 0:
         return {}
     save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
-    vocab = write_draft_vocab(capture, train_w, cfg, out, head.shape[0]) if cfg.draft_vocab_size else None
+    vocab = write_draft_vocab(capture, ids, cfg, out, head.shape[0]) if ids is not None else None
     return _finish(res, out, title, {"layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps,
                                      "train_windows": len(train_w), "eval_windows": len(eval_w),
                                      "weights_in": str(weights) if weights else None, "draft_vocab": vocab})
 
 
-def write_draft_vocab(capture, train_w, cfg: TrainConfig, out: Path, vocab_size: int) -> dict:
-    """``out/draft_vocab.safetensors`` from the training windows' tokens; returns its size and the share of
-    the held-out split's assistant tokens it holds (a token outside it can never be drafted)."""
-    ids = build_draft_vocab((w.input_ids.tolist() for w in train_w), vocab_size=vocab_size, size=cfg.draft_vocab_size)
+def write_draft_vocab(capture, ids: list[int], cfg: TrainConfig, out: Path, vocab_size: int) -> dict:
+    """``out/draft_vocab.safetensors`` holding ``ids`` (built from the training windows' tokens, trained
+    over); returns its size and the share of the held-out split's assistant tokens it holds (a token
+    outside it can never be drafted)."""
     save_draft_vocab(ids, out / DRAFT_VOCAB_FILE, metadata={"built_from": "train windows", "size": str(len(ids))})
     held = load_windows(capture, "heldout", "all", cfg.window, min_tokens=1)
     toks = torch.cat([w.input_ids[w.loss_mask] for w in held]) if held else torch.zeros(0, dtype=torch.long)
     inside = torch.isin(toks, torch.tensor(ids)).float().mean().item() if len(toks) else None
     return {"size": len(ids), "vocab_size": vocab_size, "file": DRAFT_VOCAB_FILE,
-            "heldout_coverage": None if inside is None else round(inside, 4), "heldout_tokens": len(toks)}
+            "heldout_coverage": None if inside is None else round(inside, 4), "heldout_tokens": len(toks),
+            "trained_over": True}
 
 
 def _finish(res: dict, out: Path, title: str, extra: dict) -> dict:
