@@ -10,6 +10,7 @@ import torch
 
 from drafter.evaluation.acceptance import acceptance, summarize, target_logits
 from drafter.core.config import TrainConfig
+from drafter.core.errors import StageError
 from drafter.models import EmbeddedGlm4MoeLayout, freeze, load_drafter
 from drafter.models.target import read_tensor
 from drafter.training.loop import lr_at, train
@@ -249,9 +250,17 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     capture = summary["stages"][-1]["path"]
     base = dict(loss="lk_hybrid", k_steps=2, window=32, max_steps=6, warmup_steps=1, lr=1e-3, eval_every=100,
                 eval_windows=4, freeze=["embed_tokens.*"], data_part="all", draft_vocab_size=20)
-    one = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=4), tmp_path / "one")
+    logs = []
+    one = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=4), tmp_path / "one", log=logs.append)
     two = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=2, nproc_per_node=2), tmp_path / "two")
     assert one["world_size"] == 1 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
+    # one process: trained in a fresh child process, whose lines (progress, held-out checks) reach `log`
+    assert one["fresh_process"] is True and two["fresh_process"] is False
+    assert any(line.startswith("train: ") and "held-out τ before" in line for line in logs), logs
+    assert any(line.startswith("[train] 6/6 steps") for line in logs), logs
+    with pytest.raises(StageError, match=r"(?s)failed with exit code 1.*no-such-capture"):
+        run_training(tiny_target, tmp_path / "no-such-capture", TrainConfig(**base, micro_batch=4), tmp_path / "bad")
+    assert not (tmp_path / "bad" / "result.json").exists()
     h1, h2 = ([json.loads(line) for line in (tmp_path / d / "history.jsonl").read_text().splitlines()] for d in ("one", "two"))
     print("grad norms", [(r["grad_norm"], q["grad_norm"]) for r, q in zip(h1, h2)])
     # The gradient norm is taken after the ranks' gradients are averaged, so it is the whole batch's
