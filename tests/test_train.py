@@ -227,6 +227,19 @@ def test_schedule_order_and_parts():
     assert 400 < parts.count("bootstrap") < 600 and set(parts) == {"bootstrap", "finetune"}
 
 
+def test_the_fresh_process_gets_a_bootstrap_config_as_the_train_config_it_reads(tmp_path):
+    """The bootstrap's config (a TrainConfig subclass with more fields) reaches the training process as
+    the TrainConfig it validates: the same values, without the fields TrainConfig refuses."""
+    from drafter.core.config import BootstrapConfig
+    from drafter.training.run import _child_args
+
+    boot = BootstrapConfig(enabled="on", max_steps=7, lr=2e-3)
+    args = _child_args(tmp_path / "model", tmp_path / "capture", boot, tmp_path / "out", None, "bootstrap")
+    got = TrainConfig.model_validate_json(args[args.index("--config-json") + 1])
+    assert got.model_dump() == {k: v for k, v in boot.model_dump().items() if k != "enabled"}
+    assert (got.max_steps, got.lr, got.loss, got.k_steps) == (7, 2e-3, "ce", 1)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     """The same loop under torchrun (2 CPU processes, gloo): gradients averaged across ranks, so

@@ -244,7 +244,8 @@ CHILD_ENV = "DRAFTER_TRAIN_CHILD"  # set in the fresh process that trains (see _
 
 def _child_args(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights: Path | None, title: str) -> list[str]:
     args = ["-m", "drafter.training.run", "--model-dir", str(model_dir), "--capture", str(getattr(capture, "path", capture)),
-            "--config-json", cfg.model_dump_json(), "--out", str(out), "--title", title]
+            # a TrainConfig's fields only: a subclass (BootstrapConfig) has more, which TrainConfig refuses
+            "--config-json", cfg.model_dump_json(include=set(TrainConfig.model_fields)), "--out", str(out), "--title", title]
     return args + (["--weights", str(weights)] if weights is not None else [])
 
 
