@@ -9,7 +9,7 @@ PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
 SPY         := $(SERVE_VENV)/bin/python
 
-.PHONY: demo test envs env serve-env system-deps images quick bench clean-store
+.PHONY: demo test envs env serve-env system-deps images quick bench clean-store gpu-check-wheels gpu-check-dry-run
 
 demo: envs
 	$(VENV)/bin/drafter release -c $(CONFIG) $(if $(PROFILE),--profile $(PROFILE),)
@@ -70,6 +70,14 @@ bench: envs
 	$(VPY) bench/train.py
 	$(VPY) bench/fp8.py
 	DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) $(VPY) bench/spec_decode.py
+
+# the wheels bench/gpu_check.sh installs on an offline GPU machine (bench/gpu_wheels, git-ignored, ~45 MiB)
+gpu-check-wheels: env
+	$(VPY) bench/gpu_wheels.py
+
+# the GPU check with the CPU standing in for the GPU (small sizes): run it before using a GPU machine's time
+gpu-check-dry-run: env
+	$(VPY) bench/gpu_check.py --dry-run
 
 clean-store:
 	rm -rf store

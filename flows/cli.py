@@ -272,30 +272,125 @@ def heldout_sample_cmd(out: Path = typer.Option(..., "--out", "-o", help="The he
 @app.command("plan")
 @_cli_errors
 def plan_cmd(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: Optional[list[str]] = SetOpt,
-             store: Optional[str] = StoreOpt) -> None:
+             store: Optional[str] = StoreOpt,
+             gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="Memory of one GPU for the memory plan "
+                                            "(e.g. 80GiB for an A100/H100, 141GiB for an H200)."),
+             target_config: Optional[Path] = typer.Option(None, "--target-config", help="The target's config.json "
+                                                          "for the memory plan (default: the store's prepare_target "
+                                                          "output, else configs/targets/)."),
+             ) -> None:
     """Show every stage's key and whether its output is already in the store; list leftover
-    partial directories that belong to no planned key (`drafter clean` removes them)."""
-    cfg = _load(config, profile, set_, store, check=True, check_outputs=False, check_lengths=False)
-    st = open_store(cfg)
+    partial directories that belong to no planned key (`drafter clean` removes them). Then the GPU
+    memory one training step needs (drafter/training/memory.py), computed without weights."""
+    from drafter.core.errors import StoreError
+    from drafter.data.preflight import preflight
+    from drafter.training import memory
+
+    try:
+        gpu_bytes = memory.parse_size(gpu_memory)
+    except ValueError as e:
+        _fail(f"--gpu-memory: {e}", 2)
+    cfg = _load(config, profile, set_, store)
+    try:
+        st = open_store(cfg)
+    except StoreError as e:  # a store root that cannot be a store: bad input, as preflight says it
+        raise ConfigError(str(e)) from None
+    planned = plan(cfg)
+    unreachable = None
+    if not st.local:  # a remote store without credentials or network: the stage plan without states, and why
+        try:
+            st.find(planned[0].stage.name, planned[0].key)
+        except DrafterError:
+            pass  # a corrupt output: shown in the table
+        except Exception as e:  # noqa: BLE001 - botocore / fsspec / network errors have no common base
+            unreachable = f"{type(e).__name__}: {_one_line(e)[:200]}"
+    if unreachable is None:
+        preflight(cfg, None, check_outputs=False, check_lengths=False)
     t = Table(title=f"plan for {cfg.name} (store {cfg.store.root})")
     for col in ("stage", "key", "state", "output"):
         t.add_column(col)
-    planned = plan(cfg)
+    target_art = None
     for p in planned:
-        try:
-            state = "done" if st.find(p.stage.name, p.key) else ("partial (will resume)" if st.partial_dir(p.stage.name, p.key).is_dir() else "to compute")
-        except DrafterError as e:
-            state = f"[red]corrupt: {e}[/red]"
+        if unreachable is not None:
+            state = "unknown (store unreachable)"
+        else:
+            try:
+                art = st.find(p.stage.name, p.key)
+                state = "done" if art else ("partial (will resume)" if st.partial_dir(p.stage.name, p.key).is_dir() else "to compute")
+                if art is not None and p.stage.name == "prepare_target":
+                    target_art = art
+            except DrafterError as e:
+                state = f"[red]corrupt: {e}[/red]"
         t.add_row(p.stage.name, p.key, state, st.location(p.stage.name, p.key))
     console.print(t)
-    keys = {(p.stage.name, p.key) for p in planned}
-    leftover = [d for d in st.partials() if st.partial_owner(d) not in keys]
-    if leftover:
-        typer.echo(f"{len(leftover)} leftover partial director{'y' if len(leftover) == 1 else 'ies'} of no planned "
-                   "key (an interrupted run with another config); `drafter clean` removes them:")
-        for d in leftover:
-            busy = " (in use by a running process)" if st.partial_in_use(*st.partial_owner(d)) else ""
-            typer.echo(f"  {d}{busy}")
+    if unreachable is not None:
+        typer.echo(f"store {cfg.store.root} unreachable ({unreachable}): stage states and the preflight checks "
+                   "skipped; give the store's credentials, or --store DIR for a local store")
+    else:
+        keys = {(p.stage.name, p.key) for p in planned}
+        leftover = [d for d in st.partials() if st.partial_owner(d) not in keys]
+        if leftover:
+            typer.echo(f"{len(leftover)} leftover partial director{'y' if len(leftover) == 1 else 'ies'} of no planned "
+                       "key (an interrupted run with another config); `drafter clean` removes them:")
+            for d in leftover:
+                busy = " (in use by a running process)" if st.partial_in_use(*st.partial_owner(d)) else ""
+                typer.echo(f"  {d}{busy}")
+    _print_memory_plan(cfg, target_art, target_config, gpu_bytes)
+
+
+def _print_memory_plan(cfg: ReleaseConfig, target_art, target_config: Optional[Path], gpu_bytes: int) -> None:
+    """The memory plan of ``drafter plan``: one column with the frozen weights in float32 (today), one in bfloat16."""
+    from drafter.training import memory
+
+    GiB = memory.GiB
+    if target_config is not None:
+        tc = memory.read_target_config(target_config)
+    elif target_art is not None:
+        from drafter.models.target import target_dir
+
+        tc = memory.read_target_config(target_dir(target_art) / "config.json",
+                                       f"the store's prepare_target output ({target_dir(target_art) / 'config.json'})")
+    else:
+        tc = memory.shipped_target_config(cfg.prepare_target.hub_id)
+    if tc is None:
+        typer.echo("memory plan: no config.json of the target (prepare_target is not in the store and configs/targets/ "
+                   "has no facts for it): run `drafter stage prepare_target` first, or pass --target-config FILE")
+        return
+    try:
+        plans = [memory.plan_for_config(cfg, tc, frozen_dtype=d, gpu_memory=gpu_bytes) for d in ("float32", "bfloat16")]
+    except ValueError as e:
+        typer.echo(f"memory plan: {e}")
+        return
+    p32, p16 = plans
+    d, pc = p32.drafter, p32.drafter.params
+    typer.echo(f"\nmemory plan: {d.name}; dims from {p32.dims_source}")
+    shared = f", {pc.shared_with_target / 1e9:.2f} B shared with the target" if pc.shared_with_target else ""
+    typer.echo(f"parameters: {pc.total:,} ({pc.total / 1e9:.2f} B) total, {pc.routed_experts:,} "
+               f"({pc.routed_experts / 1e9:.2f} B) routed experts{shared}; trainable under train.freeze: "
+               f"{pc.trainable:,} ({pc.trainable / 1e6:.0f} M), frozen {pc.frozen:,}")
+    step = (f"{cfg.dspark.anchors} anchors × block {cfg.dspark.block_size} per window {p32.window}"
+            if d.kind == "dspark_v41" else f"window {p32.window}, K = {p32.k_steps} unrolled steps")
+    typer.echo(f"GPU memory of one training step per rank ({cfg.train.loss}, {step}, compute {p32.compute_dtype}, "
+               f"loss over {p32.loss_vocab:,} tokens), GiB:")
+    w = max(len(ln.what) for ln in p32.lines)
+    typer.echo(f"  {'':{w}}  {'frozen f32':>10}  {'frozen bf16':>11}  formula (frozen float32 = today)")
+    by16 = {ln.what.replace("(bfloat16)", "(float32)"): ln for ln in p16.lines}
+    for ln in p32.lines:
+        other = by16.get(ln.what)
+        typer.echo(f"  {ln.what:{w}}  {ln.bytes / GiB:10.2f}  {(f'{other.bytes / GiB:.2f}' if other else '—'):>11}  {ln.formula}")
+    typer.echo(f"  {'total':{w}}  {p32.total / GiB:10.2f}  {p16.total / GiB:11.2f}")
+    for name, pl in (("frozen float32 (today)", p32), ("frozen bfloat16", p16)):
+        gpu = f"{gpu_bytes / GiB:g} GiB GPU ({pl.usable / GiB:.1f} GiB usable)"
+        if pl.fits_one_gpu:
+            verdict = (f"fits one {gpu}; train.nproc_per_node {cfg.train.nproc_per_node} = "
+                       f"{cfg.train.nproc_per_node} such GPUs, each a full replica")
+        else:
+            n = pl.gpus_sharded
+            shard = (f"{n} GPUs with weights, gradients and AdamW state sharded (FSDP / expert parallel; the train "
+                     "stage does not shard today)" if n else "not even sharded: activations and logits alone exceed it")
+            verdict = f"does NOT fit one {gpu}; {shard}"
+        typer.echo(f"{name}: {pl.total / GiB:.1f} GiB per rank — {verdict}")
+    typer.echo("assumptions: " + "; ".join(p32.assumptions))
 
 
 @app.command()

@@ -166,3 +166,26 @@ def test_ab_live_compiled_follows_serving_unless_set_and_keys_only_the_ab(tmp_pa
     assert stage_key(ab_live.STAGE, a, keys) != stage_key(ab_live.STAGE, b, keys)
     with pytest.raises(ConfigError, match=r"ab_live\.compiled"):
         load_config(write(tmp_path, {"ab_live": {"compiled": "sometimes"}}))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-mtp.yaml", "deepseek-v4.1-flash-dspark.yaml"])
+def test_seed_configs_load_and_validate(name):
+    """The two seed releases' configs: every key validates; GPU settings (torchrun on 8 GPUs, CUDA devices,
+    vLLM tensor parallel, an s3:// store) and the recipe's fields as the releases train them."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.prepare_target.source == "hub" and cfg.prepare_target.revision
+    assert cfg.store.root.startswith("s3://")
+    assert (cfg.train.nproc_per_node, cfg.train.device, cfg.capture.device) == (8, "cuda", "cuda")
+    assert "--tensor-parallel-size" in cfg.serving.extra_args and cfg.train.dtype == "bfloat16"
+    if name.startswith("deepseek-v3"):
+        assert cfg.prepare_target.hub_id == "deepseek-ai/DeepSeek-V3-0324"
+        assert (cfg.train.loss, cfg.train.eta, cfg.eval_offline.k_max) == ("lk_hybrid", 3.0, 7)
+        assert (cfg.quantize_fp8.scale, cfg.quantize_fp8.block) == ("float32", [128, 128])
+        assert cfg.train.freeze == ReleaseConfig().train.freeze  # the default: experts, embedding, head frozen
+    else:
+        assert cfg.dspark.enabled and (cfg.dspark.num_hidden_layers, cfg.dspark.block_size) == (3, 5)
+        assert (cfg.dspark.markov_rank, cfg.dspark.confidence_head) == (256, True)
+        assert (cfg.train.loss, cfg.train.ce_w, cfg.train.l1_w, cfg.train.gamma) == ("ce_l1", 0.1, 0.9, 4.0)
+        assert (cfg.quantize_fp8.scale, cfg.quantize_fp8.block) == ("ue8m0", [32, 32])
+        assert (cfg.quantize_exl3.bits, cfg.quantize_exl3.overrides) == (5.0, {"main_proj": 6.0})
+        assert cfg.ab_live.num_speculative_tokens == cfg.dspark.block_size

@@ -143,10 +143,26 @@ def test_probe_findings():
                                "exllamav3": "1.6.5"}) is None
 
 
-def test_probe_of_this_cpu_machine():
+def _this_machine_cannot_convert() -> str:
+    """The start of the probe's finding for this python: no CUDA device (CI, the CPU machines) — or, on a GPU
+    machine, CUDA without a toolkit or without exllamav3 (the GPU check's image has neither)."""
+    if not torch.cuda.is_available():
+        return f"needs CUDA: torch {torch.__version__} in {sys.executable}"
+    import importlib.util
+
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.CUDA_HOME:
+        return f"needs CUDA: {sys.executable} has CUDA devices"
+    if importlib.util.find_spec("exllamav3") is None:
+        return f"needs exllamav3: {sys.executable} has CUDA"
+    pytest.skip("this machine has CUDA, a toolkit and exllamav3: it can convert (bench/exl3_gpu.sh measures it)")
+
+
+def test_probe_of_this_machine():
     p = exl3.probe_python(sys.executable)
-    assert p.info["torch"] == torch.__version__ and p.info["cuda"] is False and not p.ok
-    assert p.missing.startswith(f"needs CUDA: torch {torch.__version__} in {sys.executable}")
+    assert p.info["torch"] == torch.__version__ and p.info["cuda"] is torch.cuda.is_available() and not p.ok
+    assert p.missing.startswith(_this_machine_cannot_convert())
     gone = exl3.probe_python("/nonexistent/bin/python")
     assert gone.missing == "needs CUDA: the configured python /nonexistent/bin/python does not exist"
 
@@ -178,7 +194,7 @@ def test_stage_is_skipped_on_cpu_with_the_probe_finding(tiny_target, tmp_path):
     cfg, store = _seeded_store(tiny_target, tmp_path)
     r = run_stage(cfg, "quantize_exl3", store)
     assert r.status == "skipped"
-    assert r.reason.startswith(f"needs CUDA: torch {torch.__version__} in {sys.executable}")
+    assert r.reason.startswith(_this_machine_cannot_convert())
     out = Path(r.path)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"], "a skipped stage writes no file"
     man = json.loads((out / "manifest.json").read_text())

@@ -294,3 +294,215 @@ def test_compiled_path_gives_the_same_bytes_as_eager(monkeypatch, rule, block):
     bad[7, 9] = float("nan")
     with pytest.raises(F.FP8Error, match="big.weight"):
         F.quantize(bad, block, rule, name="big.weight")
+
+
+# ---------------------------------------------------------------------- exact division on every device
+# CUDA divides by a Python scalar (or a 0-dim CPU tensor) as a multiplication by its float32 reciprocal,
+# and Triton's `/` is approximate: a byte-verified rule must divide exactly wherever it runs. These tests
+# pin values where `x * (1/d)` and `x / d` round differently, and emulate CUDA's scalar division on the CPU.
+
+
+class CudaScalarDivision(torch.utils._python_dispatch.TorchDispatchMode):
+    """What ``div_true_kernel_cuda`` does with a CPU-scalar divisor (a Python number or a 0-dim CPU
+    tensor): ``a * (1/b)``, the reciprocal computed in the op math type (float32 for float32/bf16/fp16)."""
+
+    DIV = (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar, torch.ops.aten.div_.Tensor, torch.ops.aten.div_.Scalar)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DIV and not kwargs and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            a, b = args[:2]
+            if isinstance(b, torch.Tensor) and b.dim() == 0 and b.device.type == "cpu":
+                b = b.item()
+            if isinstance(b, (int, float)):
+                op = np.float64 if a.dtype == torch.float64 else np.float32
+                inv = float(op(1.0) / op(b))
+                mul = torch.ops.aten.mul_.Tensor if func in self.DIV[2:] else torch.ops.aten.mul.Tensor
+                return mul(a, inv)
+        return func(*args, **kwargs)
+
+
+def _f32_div(a, b):
+    """The correctly rounded float32 quotient: float64 division of two float32 values, rounded once."""
+    return (torch.as_tensor(a, dtype=torch.float32).double() / torch.as_tensor(b, dtype=torch.float32).double()).float()
+
+
+def _amax_where_reciprocal_differs(n=64):
+    """float32 ``amax`` in (1, 1.0625] where ``amax * fl(1/448) != fl(amax/448)`` (about 40 % of them)."""
+    a = 1.0 + torch.arange(1, 4097, dtype=torch.float32) * 2.0 ** -16
+    inv = torch.tensor(1.0) / torch.tensor(448.0)
+    hit = a[_f32_div(a, 448.0) != a * inv]
+    assert hit.numel() >= n
+    return hit[:n]
+
+
+# E4M3 (fn) rounding midpoints between adjacent normal values, below 448
+_E4M3_MIDPOINTS = torch.tensor([(17 + 2 * j) / 16 * 2.0 ** e for e in range(-6, 8) for j in range(8)], dtype=torch.float32)
+_E4M3_MIDPOINTS = _E4M3_MIDPOINTS[_E4M3_MIDPOINTS < 448]
+
+
+def _e4m3_cases(n=32):
+    """``(amax, x, byte)``: ``x ≤ amax`` where, with ``s = fl(amax/448)``, ``fl(x/s)`` and ``fl(x·fl(1/s))``
+    straddle or sit on an E4M3 rounding midpoint, so the exact quotient and the reciprocal product give
+    different E4M3 bytes; ``byte`` is the exact quotient's (the independent numpy encoder). Both kinds:
+    the exact quotient exactly on the midpoint (ties to even) and the reciprocal product exactly on it."""
+    from drafter.quant.reference import e4m3_encode
+
+    on_exact, on_recip = [], []
+    for am in _amax_where_reciprocal_differs(16):
+        s = _f32_div(am, 448.0)
+        sinv = torch.tensor(1.0) / s
+        x0 = (_E4M3_MIDPOINTS.double() * s.double()).float()
+        xs = (x0.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)).flatten().view(torch.float32)
+        xs = xs[xs <= am]
+        exact, recip = _f32_div(xs, s), xs * sinv
+        be, br = e4m3_encode(exact.numpy()), e4m3_encode(recip.numpy())
+        for i in np.nonzero(be != br)[0]:
+            case = (float(am), float(xs[i]), int(be[i]))
+            if bool(torch.isin(exact[i:i + 1], _E4M3_MIDPOINTS)):
+                on_exact.append(case)
+            elif bool(torch.isin(recip[i:i + 1], _E4M3_MIDPOINTS)):
+                on_recip.append(case)
+    assert len(on_exact) >= n // 2 and len(on_recip) >= n // 2
+    return on_exact[: n // 2] + on_recip[: n // 2]
+
+
+def _one_block_each(values):
+    """A ``32×(32·n)`` float32 weight, block ``j`` holding ``values[j]`` = ``(amax, x)`` (x, −x at two spots)."""
+    w = torch.zeros(32, 32 * len(values))
+    for j, (am, x) in enumerate(values):
+        w[0, 32 * j] = am
+        if x is not None:
+            w[5, 32 * j + 7], w[9, 32 * j + 30] = x, -x
+    return w
+
+
+def _quantize_on(path, monkeypatch, w, block, rule):
+    if path == "compiled":
+        monkeypatch.setattr(F, "COMPILE_MIN_NUMEL", 1)
+        out = F.quantize(w, block, rule)
+        assert not F._compile_broken, F._compile_broken
+        assert F._quantize_blocks in F._compiled
+        return out
+    if path == "cuda-emulated":
+        with CudaScalarDivision():
+            return F.quantize(w, block, rule)
+    return F.quantize(w, block, rule)
+
+
+PATHS = ["eager", "compiled", "cuda-emulated"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float32_scale_is_the_correctly_rounded_quotient(monkeypatch, path):
+    amax = _amax_where_reciprocal_differs(64)
+    w = _one_block_each([(float(a), None) for a in amax])
+    _, s = _quantize_on(path, monkeypatch, w, (32, 32), "float32")
+    want = _f32_div(amax, 448.0)
+    assert torch.equal(s[0].view(torch.int32), want.view(torch.int32))
+    assert (want != amax * (torch.tensor(1.0) / torch.tensor(448.0))).all()  # every one discriminates
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_e4m3_byte_is_the_exact_quotients_on_a_rounding_midpoint(monkeypatch, path):
+    cases = _e4m3_cases(32)
+    w = _one_block_each([(am, x) for am, x, _ in cases])
+    q, s = _quantize_on(path, monkeypatch, w, (32, 32), "float32")
+    qb = _bytes(q)
+    assert torch.equal(s[0], _f32_div(torch.tensor([c[0] for c in cases]), 448.0))
+    for j, (_, _, byte) in enumerate(cases):
+        assert (qb[5, 32 * j + 7].item(), qb[9, 32 * j + 30].item()) == (byte, byte | 0x80), j
+
+
+def _bf16_weight():
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(256, 384, generator=g) * torch.logspace(-6, 2, 384)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rule,block", [("float32", (128, 128)), ("float32", (32, 32)), ("ue8m0", (32, 32)),
+                                        ("ue8m0", (128, 128))])
+def test_cuda_scalar_division_gives_the_same_bytes(monkeypatch, rule, block):
+    """Under CUDA's scalar division (emulated) quantize writes the same bytes; the old formulation
+    (``amax / 448`` with a Python scalar) would not for the float32 rule, so the emulation bites."""
+    cases = _e4m3_cases(32)
+    weights = [_bf16_weight(), _one_block_each([(am, x) for am, x, _ in cases])]
+
+    def both(w):
+        q, s = F.quantize(w, block, rule)
+        with CudaScalarDivision():
+            q2, s2 = F.quantize(w, block, rule)
+        return (_bytes(q), _bytes(q2)), (s.view(torch.uint8), s2.view(torch.uint8))
+
+    for w in weights:
+        (q, q2), (s, s2) = both(w)
+        assert torch.equal(q, q2) and torch.equal(s, s2)
+    monkeypatch.setattr(F, "div_e4m3_max", lambda a: a / F.E4M3_MAX)  # the old formulation
+    (q, q2), (s, s2) = both(weights[1])
+    if rule == "float32":
+        assert not torch.equal(s, s2)
+    else:  # the UE8M0 ceil does not move under a reciprocal (see the next test): same bytes even so
+        assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+def test_ue8m0_exponent_is_the_same_under_reciprocal_division():
+    """Every float32 amax of [256, 512) (the binade holding 448; others are it times 2^k, exactly):
+    the ceil exponent of ``fl(amax/448)`` equals that of ``fl(amax·fl(1/448))`` though ~55 % of the
+    quotients differ (e.g. 447.99997: 1 − 2^-24 exactly, 1.0 by the reciprocal; both ceil to 2^0)."""
+    a = torch.arange(0x43800000, 0x44000000, dtype=torch.int32).view(torch.float32)
+    recip = a * (torch.tensor(1.0) / torch.tensor(448.0))
+    bits = recip.view(torch.int32)
+    e_recip = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    assert torch.equal(F.ue8m0_exponent(a), e_recip)
+    assert (recip != _f32_div(a, 448.0)).sum() > a.numel() // 2
+
+
+# ---------------------------------------------------------------------- meta tensors (no CPU tensor inside)
+
+
+@pytest.mark.parametrize("rule", ["ue8m0", "float32"])
+@pytest.mark.parametrize("shape", [(64, 96), (33, 70), (1, 5)])
+@pytest.mark.parametrize("compile_min", [None, 1])
+def test_quantize_and_dequantize_on_meta(monkeypatch, rule, shape, compile_min):
+    if compile_min is not None:  # even at compile size, meta (like CUDA) runs the exact eager ops
+        monkeypatch.setattr(F, "COMPILE_MIN_NUMEL", compile_min)
+    w = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    q, s = F.quantize(w, (32, 32), rule, name="meta.weight")
+    assert (q.device.type, q.dtype, tuple(q.shape)) == ("meta", torch.float8_e4m3fn, shape)
+    assert (s.device.type, s.dtype, tuple(s.shape)) == ("meta", F.SCALE_DTYPES[rule], F.n_blocks(shape, (32, 32)))
+    d = F.dequantize(q, s, (32, 32), name="meta.weight")
+    assert (d.device.type, d.dtype, tuple(d.shape)) == ("meta", torch.float32, shape)
+    assert F._fast(F._quantize_blocks, w) is None
+
+
+def test_only_the_cpu_is_compiled(monkeypatch):
+    monkeypatch.setattr(F, "COMPILE_MIN_NUMEL", 1)
+    assert F.COMPILE_DEVICES == ("cpu",)
+    assert F._fast(F._dequantize_blocks, torch.empty(32, 32, device="meta")) is None
+    assert F.COMPILE_OPTIONS["cpp.enable_unsafe_math_opt_flag"] is False
+
+
+@pytest.mark.parametrize("rule", ["ue8m0", "float32"])
+@pytest.mark.parametrize("shape", [(64, 96), (33, 70)])
+def test_verify_check_tensor_on_meta(rule, shape):
+    """The byte verification (drafter/quant/verify.py: dequantize, re-quantize, compare per block) with its
+    inputs on `meta`: no tensor made on the CPU inside (its counts are read through the value stand-ins)."""
+    from drafter.quant.verify import check_tensor
+    from tests.helpers.meta_device import MetaValues
+
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta")
+    s = torch.empty(F.n_blocks(shape, (32, 32)), dtype=F.SCALE_DTYPES[rule], device="meta")
+    with MetaValues():
+        res = check_tensor(q, s, (32, 32), rule, name="meta.weight")
+    assert res.blocks == F.n_blocks(shape, (32, 32))[0] * F.n_blocks(shape, (32, 32))[1]
+
+
+def test_verify_check_tensor_made_on_the_cpu_fails_on_meta(monkeypatch):
+    """The meta check can fail: a scale made on the CPU inside check_tensor is refused on meta."""
+    from drafter.quant import verify
+    from tests.helpers.meta_device import MetaValues
+
+    monkeypatch.setattr(verify, "_per_block_any", lambda mask, block: F._blocks(mask.cpu().to(torch.uint8), block).amax(dim=(1, 3)).bool())
+    q = torch.empty(64, 64, dtype=torch.float8_e4m3fn, device="meta")
+    s = torch.empty(2, 2, dtype=torch.float32, device="meta")
+    with MetaValues(), pytest.raises((RuntimeError, NotImplementedError), match="meta|device"):
+        verify.check_tensor(q, s, (32, 32), "float32", name="meta.weight")

@@ -262,11 +262,13 @@ def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
     summary = run_all(cfg, only=["capture"], echo=lambda *_: None)
     capture = summary["stages"][-1]["path"]
     base = dict(loss="lk_hybrid", k_steps=2, window=32, max_steps=6, warmup_steps=1, lr=1e-3, eval_every=100,
-                eval_windows=4, freeze=["embed_tokens.*"], data_part="all", draft_vocab_size=20)
+                eval_windows=4, freeze=["embed_tokens.*"], data_part="all", draft_vocab_size=20,
+                device="cpu")  # gloo on CPUs, also on a GPU machine (two ranks on one GPU is not NCCL's)
     logs = []
     one = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=4), tmp_path / "one", log=logs.append)
     two = run_training(tiny_target, capture, TrainConfig(**base, micro_batch=2, nproc_per_node=2), tmp_path / "two")
     assert one["world_size"] == 1 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
+    assert one["device"] == two["device"] == "cpu"  # recorded in result.json (and the card)
     # one process: trained in a fresh child process, whose lines (progress, held-out checks) reach `log`
     assert one["fresh_process"] is True and two["fresh_process"] is False
     assert any(line.startswith("train: ") and "held-out τ before" in line for line in logs), logs

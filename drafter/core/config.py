@@ -52,6 +52,17 @@ def is_operational(field: Any) -> bool:
     return isinstance(extra, dict) and bool(extra.get("operational"))
 
 
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
+def Device(what: str) -> Any:  # noqa: N802 - used like pydantic's Field
+    """An operational ``device`` field (``auto``, ``cpu``, ``cuda``, ``cuda:N``; drafter.core.hardware.resolve_device)."""
+    return Operational("auto", pattern=DEVICE_PATTERN,
+                       description=f"Device {what} runs on: `auto` = a CUDA GPU when torch sees one (under torchrun each "
+                       "rank takes its `LOCAL_RANK` GPU), else the CPU; or `cpu`, `cuda`, `cuda:N`. Operational: not in "
+                       "stage keys (the same result on any device, within float tolerance).")
+
+
 def refuse_api_key_arg(args: list[str]) -> list[str]:
     """Server arguments must not carry vLLM's ``--api-key`` (the command line is written to the server log)."""
     if any(a.split("=", 1)[0] == "--api-key" for a in args):
@@ -274,6 +285,7 @@ class CaptureConfig(Section):
     batch_tokens: int = Field(4096, ge=16, description="Tokens per forward batch.")
     shard_tokens: int = Field(16384, ge=16, description="Tokens per output shard (the unit of resume).")
     min_free_margin: float = Operational(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
+    device: str = Device("the target's forward passes")
 
 
 LOSS_NAMES = ("kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1")
@@ -314,6 +326,7 @@ class TrainConfig(Section):
         "finetune", description="Which half of the captured train split to use (halves split by row id; "
         "the bootstrap and the fine-tune never see the same rows).")
     save_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the written tensors.")
+    device: str = Device("training (and its held-out checks)")
     nproc_per_node: int = Field(1, ge=1, description="Training processes (one per GPU): >1 runs the same loop under "
                                 "torchrun (gradients averaged across ranks; NCCL on GPUs, gloo on CPU).")
     draft_vocab_size: int = Field(
@@ -416,6 +429,7 @@ class EvalOfflineConfig(Section):
         None, ge=0, description="Cost of one draft step relative to one target forward; None measures it "
         "(drafter step vs target forward on the held-out windows, this machine).")
     cost_repeats: int = Field(5, ge=1, description="Timed repeats (after one warmup) of the draft-cost measurement; the median counts.")
+    device: str = Device("the offline evaluation")
     speed_rule: Literal["t0", "t1_greedy", "t1_prob"] = Field(
         "t0", description="Acceptance rule whose τ(K) gives the expected speed and the recommended K "
         "(t0: greedy target; t1_greedy / t1_prob: T=1 with greedy / probabilistic drafts).")

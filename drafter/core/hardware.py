@@ -78,3 +78,52 @@ def container(mountinfo: str | None = None) -> dict | None:
     if not ids and engine is None:
         return None
     return {"id": ids[0] if ids else None, "image": os.environ.get("DRAFTER_IMAGE"), "engine": engine or "unknown"}
+
+
+def resolve_device(spec: str = "auto"):
+    """The ``torch.device`` a config's ``device`` field names (DESIGN.md, the device rule).
+
+    ``auto``: a CUDA GPU when torch sees one, else the CPU. Under torchrun (``LOCAL_RANK`` set) ``auto`` and
+    ``cuda`` take the rank's own GPU, ``cuda:LOCAL_RANK``. ``cuda`` or ``cuda:N`` on a machine without CUDA is
+    an error naming what torch sees, never a silent fall-back to the CPU.
+
+    Example::
+
+        resolve_device("auto")   # device(type='cpu') here; device(type='cuda', index=0) on a GPU node
+    """
+    import torch
+
+    from drafter.core.errors import ConfigError
+
+    spec = (spec or "auto").strip()
+    if spec == "cpu":
+        return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    if spec == "auto" and not cuda:
+        return torch.device("cpu")
+    if not cuda:
+        raise ConfigError(f"device {spec!r}: torch {torch.__version__} sees no CUDA GPU on this machine "
+                          f"(torch.cuda.is_available() is False); use device: auto or cpu")
+    if spec in ("auto", "cuda"):
+        rank = os.environ.get("LOCAL_RANK")
+        index = int(rank) if rank is not None else torch.cuda.current_device()
+    elif re.fullmatch(r"cuda:[0-9]+", spec):
+        index = int(spec.split(":")[1])
+    else:
+        raise ConfigError(f"device {spec!r}: use auto, cpu, cuda or cuda:N")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {spec!r} (index {index}): this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return torch.device("cuda", index)
+
+
+def device_label(device) -> str:
+    """``'cpu'`` or ``'cuda:0 (NVIDIA H200)'``: what a result file and the card record."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        import torch.cuda
+
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
+    return str(device)

@@ -208,9 +208,10 @@ def check_disk(directory: Path, need_bytes: int, margin: float) -> int:
 # --------------------------------------------------------------------------- the model
 
 
-def load_target_model(model_dir: str | Path, dtype: str = "float32"):
-    """Load a target checkpoint for capture (transformers, eval mode, SDPA attention). Keys
-    transformers does not know (e.g. an MTP layer) are ignored quietly."""
+def load_target_model(model_dir: str | Path, dtype: str = "float32", device="cpu"):
+    """Load a target checkpoint for capture (transformers, eval mode, SDPA attention) onto ``device``. Keys
+    transformers does not know (e.g. an MTP layer) are ignored quietly. The whole target must fit on that one
+    device: a target larger than one GPU is captured through its serving engine (issue 36), not here."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -222,7 +223,7 @@ def load_target_model(model_dir: str | Path, dtype: str = "float32"):
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    return model.eval()
+    return model.to(device).eval()
 
 
 def text_config(model):
@@ -264,6 +265,9 @@ class HiddenStates:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         self._got = {}
+        device = self.decoder.embed_tokens.weight.device  # the batch goes where the target is
+        input_ids = input_ids.to(device)
+        attention_mask = None if attention_mask is None else attention_mask.to(device)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         got = {FINAL: out.last_hidden_state}
         for i in self.layers:
@@ -331,11 +335,10 @@ def capture_shard(hs: HiddenStates, seqs: list[Sequence], batch_tokens: int, dty
         got = hs(ids, None)
         # destination rows in the packed tensors, in the batch's row-major valid order
         dest = torch.cat([torch.arange(int(offsets[k]), int(offsets[k + 1])) for k in batch])
-        valid = None if att is None else att.bool()
         for n in names:
             h = got[n]
-            flat = h.reshape(-1, h.shape[-1]) if valid is None else h[valid]
-            packed[n].index_copy_(0, dest, flat.to(store))
+            flat = h.reshape(-1, h.shape[-1]) if att is None else h[att.to(h.device).bool()]
+            packed[n].index_copy_(0, dest, flat.to(device="cpu", dtype=store))  # shards are written from host memory
         if on_batch:
             on_batch(int(dest.numel()))
     return {
@@ -553,7 +556,9 @@ def capture_rows(model_dir: str | Path, rows: list[dict], out_dir: Path, c, *, w
     with progress(f"{what}: tokenize", total=len(rows), unit="rows") as bar:
         seqs = tokenize_rows(tokenizer, rows, c.max_seq_len, on_row=lambda: bar.advance(1))
     if model is None:
-        model = load_target_model(model_dir)
+        from drafter.core.hardware import resolve_device
+
+        model = load_target_model(model_dir, device=resolve_device(getattr(c, "device", "auto")))
     with progress(what, total=sum(len(s) for s in seqs), unit="tok") as bar:
         return capture_features(model, seqs, out_dir, layers=c.layers, dtype=c.dtype, batch_tokens=c.batch_tokens,
                                 shard_tokens=c.shard_tokens, min_free_margin=c.min_free_margin, on_tokens=bar.advance)

@@ -7,10 +7,13 @@ never cross conversations and are never padded (the drafter's attention masks as
 The captured ``train`` split is divided into two disjoint halves by a hash of the row id:
 ``bootstrap`` (the demo's stand-in released drafter learns from it) and ``finetune``.
 
+Windows are loaded on the CPU; :meth:`Window.to` moves one to the model's device when it is used.
+
 Example::
 
     wins = load_windows(capture_dir, split="train", part="finetune", window=256)
     wins[0].input_ids.shape, wins[0].hidden.shape     # [T], [T, H]
+    wins[0].to("cuda").positions                        # on the GPU
 """
 from __future__ import annotations
 
@@ -34,8 +37,22 @@ class Window:
     features: torch.Tensor | None = None  # [T, n·H]: captured layers concatenated (``feature_layers``), or None
 
     @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
     def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.start + len(self.input_ids))
+        """[T] int64: the absolute positions of the tokens, on the window's device."""
+        return torch.arange(self.start, self.start + len(self.input_ids), device=self.device)
+
+    def to(self, device: torch.device | str) -> "Window":
+        """This window with its tensors on ``device``: a new Window, or ``self`` when they are already there
+        (``Tensor.to`` returns the tensor itself then: no copy)."""
+        tensors = (self.input_ids, self.loss_mask, self.hidden, self.features)
+        moved = tuple(None if t is None else t.to(device) for t in tensors)
+        if all(m is t for m, t in zip(moved, tensors)):
+            return self
+        return Window(self.row_id, self.start, *moved)
 
 
 def row_part(row_id: str) -> str:

@@ -15,6 +15,9 @@ in the window and are assistant tokens. ``alpha[k]`` is the mean α_k over those
 DSpark block drafts (:func:`block_acceptance`): the same rules and τ, block position j of an anchor
 standing for draft position j+1 (all positions of a block come from one pass of the draft).
 
+Devices: each held-out window is moved to the drafter's device (:func:`model_device`) when it is used,
+and every tensor made here is made there; the summaries (τ, α) are Python floats.
+
 Example::
 
     stats = acceptance(drafter, head_weight, windows, k_steps=4)
@@ -30,6 +33,13 @@ import torch.nn.functional as F
 from drafter.data.windows import Window
 
 RULES = ("t0", "t1_greedy", "t1_prob")
+
+
+def model_device(model, default: torch.Tensor) -> torch.device:
+    """The device of ``model``'s (first) parameter; ``default``'s device for a model without any."""
+    params = model.parameters() if hasattr(model, "parameters") else iter(())
+    p = next(iter(params), None)
+    return default.device if p is None else p.device
 
 
 def target_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
@@ -53,19 +63,20 @@ def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int,
                   vocab_mask: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """α per rule, shape [n, K] for the n = T−K−1 positions with all K targets; and their eligibility
     (all K predicted tokens are assistant tokens). ``vocab_mask`` (bool [V]): the draft drafts only
-    those tokens (a draft vocabulary, as served)."""
+    those tokens (a draft vocabulary, as served). The window is moved to the drafter's device."""
+    win = win.to(dev := model_device(drafter, head_weight))
     T = len(win.input_ids)
     n = T - k_steps - 1
     if n <= 0:
-        return {r: torch.zeros(0, k_steps) for r in RULES}, torch.zeros(0, dtype=torch.bool)
+        return {r: torch.zeros(0, k_steps, device=dev) for r in RULES}, torch.zeros(0, dtype=torch.bool, device=dev)
     un = drafter.unroll(win.input_ids[None], win.hidden[None], k_steps, win.positions[None])
     out = {r: [] for r in RULES}
-    elig = torch.ones(n, dtype=torch.bool)
+    elig = torch.ones(n, dtype=torch.bool, device=dev)
     p_all = F.softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
     for k in range(1, k_steps + 1):
         q = un.logits[k - 1][0, :n]
         if vocab_mask is not None:
-            q = q.masked_fill(~vocab_mask, float("-inf"))
+            q = q.masked_fill(~vocab_mask.to(dev), float("-inf"))
         a = rule_alphas(p_all[k - 1:k - 1 + n], q)  # the target at position t+k
         for r in RULES:
             out[r].append(a[r])
@@ -114,16 +125,18 @@ def _head(head_weight: torch.Tensor):
 def block_forward(draft, embed: torch.nn.Module, head_weight: torch.Tensor, win: Window,
                   anchors: torch.Tensor, anchor_mask: torch.Tensor | None = None):
     """The draft's blocks at ``anchors`` [M] of one window, and the target's logits [M, K, V] at
-    the positions each block predicts (``anchor + j``, clamped inside the window)."""
+    the positions each block predicts (``anchor + j``, clamped inside the window). The window is moved
+    to the anchors' device (the draft's)."""
     if win.features is None:
         raise ValueError(f"window {win.row_id}@{win.start} has no features: load_windows(feature_layers=…) "
                          "must read the draft's target layers")
+    win = win.to(anchors.device)
     K = draft.cfg.block_size
     T = len(win.input_ids)
     mask = None if anchor_mask is None else anchor_mask[None]
     out = draft(win.input_ids[None], win.features[None], anchors[None], embed=embed, lm_head=_head(head_weight),
                 anchor_mask=mask, label_mask=win.loss_mask[None], start=win.start)
-    rows = (anchors[:, None] + torch.arange(K)).clamp(max=T - 1)
+    rows = (anchors[:, None] + torch.arange(K, device=anchors.device)).clamp(max=T - 1)
     with torch.no_grad():  # blocks overlap: the target's logits once per distinct position
         uniq, inv = torch.unique(rows.flatten(), return_inverse=True)
         p_logits = target_logits(win.hidden[uniq], head_weight)[inv].view(*rows.shape, -1)
@@ -131,20 +144,30 @@ def block_forward(draft, embed: torch.nn.Module, head_weight: torch.Tensor, win:
 
 
 
+def block_anchors(loss_mask: torch.Tensor, K: int) -> torch.Tensor:
+    """[m] int64, increasing: the anchors ``p ≥ 1`` of a window whose ``K`` predicted tokens
+    ``x[p+1..p+K]`` exist and are assistant tokens (``loss_mask`` [T]), on the mask's device."""
+    T = len(loss_mask)
+    if T - K <= 1:
+        return torch.zeros(0, dtype=torch.long, device=loss_mask.device)
+    full = loss_mask.bool().unfold(0, K, 1).all(-1)  # full[s]: x[s..s+K-1] are all assistant tokens
+    return torch.nonzero(full[2:T - K + 1]).flatten() + 1  # s = p + 1 for p = 1..T-K-1
+
+
 @torch.no_grad()
 def window_block_alphas(draft, embed, head_weight: torch.Tensor, win: Window, chunk: int = 64):
     """α ``{rule: [m, K]}`` of a DSpark block draft at the ``m`` anchors ``p ≥ 1`` of one window whose
     ``K`` predicted tokens exist and are assistant tokens, and the confidence head's σ ``[m, K]``
     (None without the head). Block position ``j`` is compared with the target at ``p+j``; the Markov
-    head is teacher-forced, which at T=0 is what serving computes for every position it reaches."""
+    head is teacher-forced, which at T=0 is what serving computes for every position it reaches.
+    The window is moved to the draft's device."""
+    win = win.to(dev := model_device(draft, head_weight))
     K = draft.cfg.block_size
-    T = len(win.input_ids)
-    lm = win.loss_mask.bool()
-    cand = [p for p in range(1, T - K) if bool(lm[p + 1:p + 1 + K].all())]
+    cand = block_anchors(win.loss_mask, K)
     per = {r: [] for r in RULES}
     conf = []
     for i in range(0, len(cand), chunk):
-        anchors = torch.tensor(cand[i:i + chunk])
+        anchors = cand[i:i + chunk]
         out, p_logits = block_forward(draft, embed, head_weight, win, anchors)
         p = F.softmax(p_logits.float(), -1)
         cols = {r: [] for r in RULES}
@@ -156,9 +179,9 @@ def window_block_alphas(draft, embed, head_weight: torch.Tensor, win: Window, ch
             per[r].append(torch.stack(cols[r], 1))
         if out.confidence_logits is not None:
             conf.append(torch.sigmoid(out.confidence_logits[0].float()))
-    alphas = {r: torch.cat(v) if v else torch.zeros(0, K) for r, v in per.items()}
+    alphas = {r: torch.cat(v) if v else torch.zeros(0, K, device=dev) for r, v in per.items()}
     has_head = getattr(draft, "confidence_head", None) is not None
-    confidence = (torch.cat(conf) if conf else torch.zeros(0, K)) if has_head else None
+    confidence = (torch.cat(conf) if conf else torch.zeros(0, K, device=dev)) if has_head else None
     return alphas, confidence
 
 

@@ -3,7 +3,8 @@
 ``reliability(confidence, outcome, bins)`` splits [0, 1] into equal-width bins of the predicted
 confidence; per bin: the count, the mean confidence and the observed frequency of the outcome.
 ECE = Σ_b (n_b / N) · |freq_b − conf_b| (empty bins count 0). For a DSpark confidence head the
-outcome is whether the draft at that block position is accepted at T=0.
+outcome is whether the draft at that block position is accepted at T=0. Both functions copy their
+inputs to the CPU first (from whatever device the draft ran on) and compute there.
 
 ``fit_platt(confidence, outcome)`` → ``(a, b)``: Platt scaling, the maximum-likelihood
 c' = σ(a · logit(c) + b) on a calibration set the model was not trained on (a head trained for
@@ -27,8 +28,8 @@ from drafter.core.files import atomic_path
 
 
 def reliability(confidence: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> dict:
-    c = confidence.detach().double().flatten()
-    y = outcome.detach().double().flatten()
+    c = confidence.detach().double().flatten().cpu()  # a host computation over a few numbers per position
+    y = outcome.detach().double().flatten().cpu()
     if c.shape != y.shape:
         raise ValueError(f"confidence {tuple(confidence.shape)} and outcome {tuple(outcome.shape)} differ in size")
     if bins < 1:
@@ -54,8 +55,8 @@ def fit_platt(confidence: torch.Tensor, outcome: torch.Tensor) -> tuple[float, f
     """Platt scaling of ``confidence`` (in (0, 1)) against the 0/1 ``outcome``: the ``(a, b)`` that minimise
     the binary cross-entropy of σ(a · logit(c) + b) (float64, L-BFGS; convex in a, b). Raises ValueError
     when the outcomes are all equal (the optimum is at infinity) or the sizes differ."""
-    c = confidence.detach().double().flatten()
-    y = outcome.detach().double().flatten()
+    c = confidence.detach().double().flatten().cpu()  # a host computation over a few numbers per position
+    y = outcome.detach().double().flatten().cpu()
     if c.shape != y.shape:
         raise ValueError(f"confidence {tuple(confidence.shape)} and outcome {tuple(outcome.shape)} differ in size")
     if c.numel() and (bool((c < 0).any()) or bool((c > 1).any())):

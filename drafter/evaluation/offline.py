@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from drafter.evaluation.acceptance import RULES, rule_alphas, target_logits
+from drafter.evaluation.acceptance import RULES, model_device, rule_alphas, target_logits
 from drafter.data.windows import Window
 
 RULE_TITLES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
@@ -67,21 +67,22 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
     the positions needed) and shared by the drafters; logits only at eligible positions. A drafter with a
     ``draft_vocab_ids`` attribute (token ids [V']) drafts only those tokens, as vLLM serves it with a draft
     vocabulary (drafter/serving/draft_vocab.py): its logits are computed on those rows of the head only
-    and every other token gets −∞."""
+    and every other token gets −∞. The window is moved to ``head_weight``'s device, where the drafters are."""
+    win = win.to(dev := head_weight.device)
     T = len(win.input_ids)
     n = T - k_max - 1
-    empty = {d: {r: torch.zeros(0, k_max) for r in RULES} for d in drafters}
+    empty = {d: {r: torch.zeros(0, k_max, device=dev) for r in RULES} for d in drafters}
     if n <= 0:
         return empty
-    elig = torch.ones(n, dtype=torch.bool)
+    elig = torch.ones(n, dtype=torch.bool, device=dev)
     for k in range(1, k_max + 1):
         elig &= win.loss_mask[k + 1:k + 1 + n]
     t = elig.nonzero()[:, 0]
     if t.numel() == 0:
         return empty
-    need = torch.unique(t[:, None] + torch.arange(1, k_max + 1))  # target positions t+k
-    row = torch.full((T,), -1, dtype=torch.long)
-    row[need] = torch.arange(len(need))
+    need = torch.unique(t[:, None] + torch.arange(1, k_max + 1, device=dev))  # target positions t+k
+    row = torch.full((T,), -1, dtype=torch.long, device=dev)
+    row[need] = torch.arange(len(need), device=dev)
     p_need = F.softmax(target_logits(win.hidden[need], head_weight), -1)
     out = {}
     for name, drafter in drafters.items():
@@ -90,7 +91,8 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
         for k in range(1, k_max + 1):
             h = un.hidden[k - 1][0, t]
             if (ids := getattr(drafter, "draft_vocab_ids", None)) is not None:  # served over its draft vocabulary
-                q = torch.full((len(t), p_need.shape[-1]), float("-inf"))
+                ids = torch.as_tensor(ids, device=dev)
+                q = torch.full((len(t), p_need.shape[-1]), float("-inf"), device=dev)
                 q[:, ids] = drafter.logits(k - 1, h, rows=ids).float()
             else:
                 q = drafter.logits(k - 1, h)  # the draft of x_{t+k+1}
@@ -125,7 +127,7 @@ def heldout_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: torch.T
                 conv.append(np.full(m, ci, dtype=np.int64))
                 for d in drafters:
                     for r in RULES:
-                        acc[d][r].append(a[d][r].double().numpy())
+                        acc[d][r].append(a[d][r].double().cpu().numpy())
             if on_window:
                 on_window(1)
     finally:
@@ -234,13 +236,17 @@ def recommend_k(speedups: list[float]) -> int:
     return int(np.argmax(speedups)) + 1
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()``; on a CUDA ``device`` each run waits for its kernels to finish."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -249,12 +255,13 @@ def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> floa
 def measure_draft_cost(target_model, drafter, window: Window, repeats: int = 5, warmup: int = 1) -> dict:
     """Time one draft step (the MTP layer + its head) against one target forward (all layers + LM
     head) over the same tokens of ``window`` on this machine; median of ``repeats`` after ``warmup``.
-    Returns ``{"draft_s", "target_s", "ratio", "tokens"}``."""
+    Returns ``{"draft_s", "target_s", "ratio", "tokens"}``. The window is moved to the drafter's device."""
+    window = window.to(model_device(drafter, window.hidden))
     ids, hidden, pos = window.input_ids[None], window.hidden[None], window.positions[None]
     nxt = torch.zeros_like(ids)
     nxt[:, :-1] = ids[:, 1:]
-    target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup)
-    draft_s = _median_seconds(lambda: drafter.forward_step(0, nxt, hidden, pos), repeats, warmup)
+    target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup, ids.device)
+    draft_s = _median_seconds(lambda: drafter.forward_step(0, nxt, hidden, pos), repeats, warmup, ids.device)
     return {"draft_s": draft_s, "target_s": target_s, "ratio": draft_s / target_s, "tokens": int(ids.shape[1])}
 
 
@@ -264,15 +271,17 @@ def measure_block_cost(target_model, draft, embed, head_weight: torch.Tensor, wi
     """Time a DSpark draft's pass (blocks tiling ``window``: every B-th position an anchor, so as many
     query tokens as the window has, with its LM head) against one target forward over the same
     tokens; median of ``repeats`` after ``warmup``. ``ratio`` = the cost of one block pass relative to
-    one target step at equal tokens. Returns ``{"draft_s", "target_s", "ratio", "tokens"}``."""
+    one target step at equal tokens. Returns ``{"draft_s", "target_s", "ratio", "tokens"}``. The window
+    is moved to the draft's device."""
     from drafter.evaluation.acceptance import _head
 
+    window = window.to(model_device(draft, head_weight))
     ids, pos = window.input_ids[None], window.positions[None]
     T, K = ids.shape[1], draft.cfg.block_size
-    anchors = torch.arange(1, T, K)[None]
-    target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup)
+    anchors = torch.arange(1, T, K, device=ids.device)[None]
+    target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup, ids.device)
     draft_s = _median_seconds(lambda: draft(ids, window.features[None], anchors, embed=embed, lm_head=_head(head_weight),
-                                            start=window.start), repeats, warmup)
+                                            start=window.start), repeats, warmup, ids.device)
     return {"draft_s": draft_s, "target_s": target_s, "ratio": draft_s / target_s, "tokens": int(T)}
 
 

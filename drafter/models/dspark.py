@@ -331,8 +331,9 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"anchors {tuple(anchors.shape)} do not match the batch of input_ids {tuple(input_ids.shape)}")
         if anchor_mask is None:
             anchor_mask = torch.ones_like(anchors, dtype=torch.bool)
-        if bool(((anchors < 1) | (anchors >= T))[anchor_mask].any()):
-            raise ValueError(f"anchors must lie in [1, {T}), got {anchors[anchor_mask].min().item()}..{anchors[anchor_mask].max().item()}")
+        used = anchors[anchor_mask]
+        if used.numel() and (int(used.min()) < 1 or int(used.max()) >= T):
+            raise ValueError(f"anchors must lie in [1, {T}), got {int(used.min())}..{int(used.max())}")
         device = input_ids.device
         j = torch.arange(K, device=device)
         block_pos = anchors.unsqueeze(-1) + j  # [B, M, K]
@@ -415,17 +416,22 @@ def draft_greedy(draft: DSparkDraft, hidden: Tensor, base_logits: Tensor, anchor
 
 def sample_anchors(lengths: Tensor, loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """Up to ``num_anchors`` distinct anchor positions per row, drawn uniformly among positions ``p ≥ 1``
-    whose next token is a training token (``loss_mask[p + 1]``). Returns ``(anchors [B, M],
-    mask [B, M])``, sorted; rows with fewer candidates are padded (mask False)."""
+    whose next token is a training token (``loss_mask[p + 1]``, ``p + 1 < lengths[b]``). Returns
+    ``(anchors [B, M], mask [B, M])`` on ``loss_mask``'s device, sorted; rows with fewer candidates are
+    padded (mask False). The draw is a permutation from the CPU ``generator`` (torch's global one by
+    default, as checkpointed), whatever the device: the same anchors on every device."""
     B, T = loss_mask.shape
-    out = torch.ones((B, num_anchors), dtype=torch.long)
-    ok = torch.zeros((B, num_anchors), dtype=torch.bool)
+    dev = loss_mask.device
+    out = torch.ones((B, num_anchors), dtype=torch.long, device=dev)
+    ok = torch.zeros((B, num_anchors), dtype=torch.bool, device=dev)
+    # p with p+1 a training token inside the row, p ≥ 1
+    usable = loss_mask[:, 2:].bool() & (torch.arange(2, max(T, 2), device=dev) < lengths.to(dev)[:, None])
     for b in range(B):
-        n = int(lengths[b])
-        cand = torch.nonzero(loss_mask[b, 2:n].bool()).flatten() + 1  # p with p+1 a training token, p ≥ 1
+        cand = torch.nonzero(usable[b]).flatten() + 1
         if cand.numel() == 0:
             continue
-        pick = cand[torch.randperm(cand.numel(), generator=generator)[:num_anchors]].sort().values
+        perm = torch.randperm(cand.numel(), generator=generator)[:num_anchors].to(dev)
+        pick = cand[perm].sort().values
         out[b, : pick.numel()] = pick
         ok[b, : pick.numel()] = True
     return out, ok

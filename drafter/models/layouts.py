@@ -136,7 +136,10 @@ class MTPLayout:
 
     def build(self, config: dict[str, Any], device: str | torch.device | None = None) -> MTPDrafter:
         """An (uninitialized) :class:`MTPDrafter` for a release ``config.json`` dict."""
+        from drafter.models.compat import check_decoder_layer
+
         config_cls, layer_cls, norm_cls, rotary_cls = self.classes()
+        check_decoder_layer(layer_cls)
         cfg = dict(config.get("text_config", config))
         cfg.pop("quantization_config", None)  # weights are dequantized on load
         tcfg = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})

@@ -74,7 +74,7 @@ def write_safetensors_streaming(path: Path, infos: dict[str, TensorInfo],
             if name != k or ST_DTYPES[inf.dtype] != t.dtype or tuple(t.shape) != inf.shape:
                 raise StageError(f"{path}: tensor {name} {t.dtype} {tuple(t.shape)} does not match the header's "
                                  f"{k} {inf.dtype} {inf.shape}")
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.write(t.contiguous().view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")  # any device
     os.replace(tmp, path)
 
 
@@ -91,7 +91,7 @@ def _read(path: Path, key: str) -> torch.Tensor:
 
 
 def sha256_of(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()  # any device
 
 
 def build_dropin(release: FP8Release, trained: Path, out_dir: Path, *,

@@ -355,7 +355,8 @@ def _training(cfg, inputs, kind: str = "mtp") -> dict:
             "batch": tc["micro_batch"] * tc["grad_accum"] * world, "window": tc["window"], "k": tc["k_steps"],
             "dtype": tc["dtype"], "tokens": res["tokens"], "windows": res["train_windows"],
             "seconds": f"{res['seconds']:.1f}", "tokens_per_s": f"{res['tokens_per_s']:.1f}",
-            "hardware": f"{world} process(es) on {hw_summary(res['hardware'])}" if res.get("hardware")
+            "hardware": (f"{world} process(es) on {hw_summary(res['hardware'])}"
+                         + (f", training device `{res['device']}`" if res.get("device") else "")) if res.get("hardware")
             else f"{world} process(es); device {NOT_MEASURED}: the train stage records none",
             "data": data, "data_reasons": {"generate": gwhy, "scrub": swhy, "capture": cwhy},
             "draft_vocab": res.get("draft_vocab"),

@@ -23,6 +23,7 @@ from drafter.data.capture import FORMAT, capture_rows, hidden_tensor_names
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards, remove_partial_files, write_json_atomic
 from drafter.core.errors import StageError
+from drafter.core.hardware import device_label, resolve_device
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir, target_info
 
@@ -56,6 +57,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "splits": res.per_split,
         "shards": res.shard_files,
         "compute_seconds": round(res.compute_seconds, 3),
+        "device": device_label(resolve_device(c.device)),
         "metrics": metrics,
     })
     return metrics

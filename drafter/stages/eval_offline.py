@@ -46,6 +46,7 @@ from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
 from drafter.training.run import target_embedding
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
+from drafter.core.hardware import device_label, resolve_device
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.stages.train import baseline_weights, released_draft
@@ -71,7 +72,7 @@ def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tok
         return windows, conversation_labels(rows), describe_builtin(sum(r.get("split") == "heldout" for r in rows)), None
     rows, info = user_heldout(cfg)
     model_dir = target_dir(inputs["prepare_target"])
-    target = load_target_model(model_dir)
+    target = load_target_model(model_dir, device=resolve_device(c.device))
     features = out / HELDOUT_FEATURES
     capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target)
     try:
@@ -102,8 +103,10 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
         except (OSError, ValueError) as e:
             raise StageError(f"the {name} DSpark draft {folder}: {e}") from e
     K = drafts["candidate"].cfg.block_size
-    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
-    embed = target_embedding(model_dir)
+    device = resolve_device(c.device)
+    drafts = {name: d.to(device) for name, d in drafts.items()}
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
+    embed = target_embedding(model_dir).to(device)
     windows, labels, heldout, target = _heldout(cfg, inputs, out, K + 2, capture_layers(drafts["candidate"].cfg))
     conf = {n: ([], []) for n, d in drafts.items() if d.confidence_head is not None}
 
@@ -125,7 +128,7 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
     eval_seconds = time.monotonic() - t_start
     cost = None
     if c.draft_cost is None:
-        target = target if target is not None else load_target_model(model_dir)
+        target = target if target is not None else load_target_model(model_dir, device=device)
         longest = max(windows, key=lambda w: len(w.input_ids))
         cost = measure_block_cost(target, drafts["candidate"], embed, head, longest, repeats=c.cost_repeats)
     del target
@@ -134,6 +137,7 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
                    samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule, block=True)
     res["windows"] = len(windows)
     res["heldout"] = heldout
+    res["device"] = device_label(device)
     if cost:
         res["draft_cost_timing"] = cost
     calibration = {n: reliability(torch.cat(cs), torch.cat(ys)) for n, (cs, ys) in conf.items() if cs}
@@ -190,14 +194,15 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if not candidate.is_file():
         raise StageError(f"train output {inputs['train'].path} has no {TRAINED_NAME} (the fine-tuned drafter)")
     layout = layout_for(model_dir)
-    drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)),
-                "candidate": load_drafter(model_dir, layout, weights=candidate)}
-    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    device = resolve_device(c.device)
+    drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)).to(device),
+                "candidate": load_drafter(model_dir, layout, weights=candidate).to(device)}
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
     vocab_file = inputs["train"].path / DRAFT_VOCAB_FILE
     draft_vocab = None
     if vocab_file.is_file():  # the fine-tuned drafter is served over its draft vocabulary: measured so here too
         ids = load_draft_vocab(vocab_file, head.shape[0])
-        drafters["candidate"].draft_vocab_ids = ids
+        drafters["candidate"].draft_vocab_ids = ids.to(device)
         draft_vocab = int(ids.numel())
     windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2)
 
@@ -210,7 +215,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
     cost = None
     if c.draft_cost is None:
-        target = target if target is not None else load_target_model(model_dir)
+        target = target if target is not None else load_target_model(model_dir, device=device)
         longest = max(windows, key=lambda w: len(w.input_ids))
         cost = measure_draft_cost(target, drafters["candidate"], longest, repeats=c.cost_repeats)
     del target
@@ -220,6 +225,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
                    samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule)
     res["windows"] = len(windows)
     res["heldout"] = heldout
+    res["device"] = device_label(device)
     res["draft_vocab"] = {"candidate": draft_vocab, "baseline": None}
     if cost:
         res["draft_cost_timing"] = cost

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.data.windows import Window
-from drafter.evaluation.acceptance import block_forward
+from drafter.evaluation.acceptance import block_forward, model_device
 from drafter.models.dspark import DSparkDraft, sample_anchors
 from drafter.training import losses as L
 
@@ -29,8 +29,11 @@ def block_loss(draft: DSparkDraft, embed: torch.nn.Module, head_weight: torch.Te
                anchors: int, confidence_w: float, generator: torch.Generator | None = None):
     """Weighted loss over the block positions of up to ``anchors`` anchors of ``win`` → (loss, per-position stats).
 
-    ``cfg`` is a :class:`~drafter.core.config.TrainConfig` (loss, γ, η, ce_w, l1_w)."""
-    a, ok = sample_anchors(torch.tensor([len(win.input_ids)]), win.loss_mask[None], anchors, generator)
+    ``cfg`` is a :class:`~drafter.core.config.TrainConfig` (loss, γ, η, ce_w, l1_w). The window is moved
+    to the draft's device; ``head_weight`` and ``embed`` must be there already."""
+    win = win.to(model_device(draft, head_weight))
+    lengths = torch.tensor([len(win.input_ids)], device=win.device)
+    a, ok = sample_anchors(lengths, win.loss_mask[None], anchors, generator)
     out, p_logits = block_forward(draft, embed, head_weight, win, a[0], ok[0])
     valid = out.valid[0]
     weights = L.position_weights(draft.cfg.block_size, cfg.gamma)

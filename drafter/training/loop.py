@@ -35,7 +35,7 @@ import torch
 from dataclasses import dataclass
 
 from drafter.training import losses as L
-from drafter.evaluation.acceptance import acceptance, target_logits
+from drafter.evaluation.acceptance import acceptance, model_device, target_logits
 from drafter.core.config import TrainConfig
 from drafter.models import freeze
 from drafter.core.progress import progress
@@ -55,12 +55,15 @@ class VocabHead:
 
     @classmethod
     def of(cls, ids, head_weight: torch.Tensor) -> "VocabHead":
-        ids = torch.as_tensor(ids, dtype=torch.long)
+        """Checked on the host (``ids``: a list or tensor), then made on ``head_weight``'s device."""
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
         V = head_weight.shape[0]
         if ids.ndim != 1 or len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or len(ids.unique()) != len(ids):
             raise ValueError(f"a draft vocabulary must be distinct token ids in [0, {V}); got {len(ids)} ids")
-        index = torch.full((V,), -1, dtype=torch.long)
-        index[ids] = torch.arange(len(ids))
+        dev = head_weight.device
+        ids = ids.to(dev)
+        index = torch.full((V,), -1, dtype=torch.long, device=dev)
+        index[ids] = torch.arange(len(ids), device=dev)
         return cls(ids, head_weight.detach()[ids].contiguous(), index)
 
     def mask(self) -> torch.Tensor:
@@ -76,7 +79,10 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
 
     Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
     assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
+    The window is moved to the drafter's device; ``weights`` (:func:`~drafter.training.losses.position_weights`)
+    are read as Python floats.
     """
+    win = win.to(dev := model_device(drafter, head_weight))
     T = len(win.input_ids)
     un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None], compute_logits=False)
     target, row_of = None, None
@@ -84,8 +90,8 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
         need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
         with torch.no_grad():
             target = target_logits(win.hidden[need], head_weight if vocab is None else vocab.weight)
-        row_of = torch.full((T,), -1, dtype=torch.long)
-        row_of[need] = torch.arange(len(need))
+        row_of = torch.full((T,), -1, dtype=torch.long, device=dev)
+        row_of[need] = torch.arange(len(need), device=dev)
     total, wsum, stats = 0.0, 0.0, []
     for k in range(1, cfg.k_steps + 1):
         n = T - k - 1  # positions whose predicted token x_{t+k+1} exists
@@ -175,6 +181,10 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     ``draft_vocab``: token ids the drafter drafts over, as served (``train.draft_vocab_size``): the default
     loss trains over them (:class:`VocabHead`) and the held-out checks mask the draft to them.
     ``stop_after``: stop (as if killed) after this many optimizer steps of this call — for tests.
+
+    Devices: the step runs where ``drafter``'s parameters are (``head_weight`` is moved there; a custom
+    ``loss_fn``/``evaluate`` must have its own tensors there); each training window is moved there when
+    it is used, the held-out ones by the evaluation; bf16 autocast takes that device's type.
     """
     workdir = Path(workdir)
     ckdir = workdir / "ckpt"
@@ -187,7 +197,8 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
-    head_weight = head_weight.detach().float()
+    device = model_device(drafter, head_weight)
+    head_weight = head_weight.detach().float().to(device)
     vocab = None if draft_vocab is None else VocabHead.of(draft_vocab, head_weight)
     if loss_fn is None:
         loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights, vocab=vocab)  # noqa: E731
@@ -210,7 +221,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
         f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}")
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    autocast = L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     per_step = cfg.micro_batch * cfg.grad_accum
     drafter.train()
     t0, tokens = time.monotonic(), 0
@@ -225,7 +236,8 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
                 g["lr"] = lr_at(step, cfg)
             step_loss, step_stats = 0.0, []
             for i in range(per_step):
-                win = train_windows[window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)]
+                index = window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)
+                win = train_windows[index].to(device)
                 with autocast:
                     loss, stats = loss_fn(win)
                 (loss / per_step).backward()
@@ -264,7 +276,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     if world > 1:  # tokens seen by all ranks together
         import torch.distributed as dist
 
-        count = torch.tensor([tokens], dtype=torch.int64)
+        count = torch.tensor([tokens], dtype=torch.int64, device=device)
         dist.all_reduce(count)
         tokens = int(count)
     final = last_eval if last_eval is not None else evaluate()

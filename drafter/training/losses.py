@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,6 +28,14 @@ import torch.nn.functional as F
 
 Tensor = torch.Tensor
 _EPS = 1e-12
+
+
+def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool = True):
+    """``torch.autocast(device_type, dtype, enabled)``, or nothing for a device type without autocast
+    (``meta``, where the tests run every path: there is no arithmetic to cast)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 def _masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -111,7 +120,7 @@ class LKHybridRows(torch.autograd.Function):
         n, dev = draft_logits.shape[0], draft_logits.device
         per, alpha, lam = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
         grad = torch.empty(draft_logits.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[0] else None
-        with torch.no_grad(), torch.autocast(dev.type, enabled=False):
+        with torch.no_grad(), autocast(dev.type, enabled=False):
             for r0 in range(0, n, CHUNK_ROWS):
                 r1 = min(r0 + CHUNK_ROWS, n)
                 logq = F.log_softmax(draft_logits[r0:r1].float() / temperature, dim=-1)
@@ -166,7 +175,8 @@ def ce_l1(draft_logits: Tensor, target_logits: Tensor, tokens: Tensor, mask: Ten
 
 
 def position_weights(k: int, gamma: float = 4.0) -> Tensor:
-    """Weights of draft positions 0..k-1: exp(−i/γ) (position 0, the first draft, weighs 1)."""
+    """Weights of draft positions 0..k-1: exp(−i/γ) (position 0, the first draft, weighs 1). A CPU
+    tensor, read as Python floats (``float(weights[k])``) whatever the model's device."""
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     return torch.tensor([math.exp(-i / gamma) for i in range(k)], dtype=torch.float32)

@@ -23,7 +23,7 @@ from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
 from drafter.models.dspark import DSPARK_DIR
 from drafter.models.target import read_tensor
 from drafter.core.errors import StageError
-from drafter.core.hardware import describe
+from drafter.core.hardware import describe, device_label, resolve_device
 from drafter.training.loop import dist_info, plot_curves, train
 from drafter.data.windows import in_calibration_slice, load_windows
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, build_draft_vocab, save_draft_vocab
@@ -43,9 +43,10 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
         return _launch_torchrun(model_dir, capture, cfg, out, weights, title)
     if world == 1 and not os.environ.get(CHILD_ENV):
         return _launch_child(model_dir, capture, cfg, out, weights, title, log)
+    device = resolve_device(cfg.device)
     layout = layout_for(model_dir)
-    drafter = load_drafter(model_dir, layout, weights=weights)
-    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
+    drafter = load_drafter(model_dir, layout, weights=weights).to(device)
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
     train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=cfg.k_steps + 2)
     eval_w = load_windows(capture, "heldout", "all", cfg.window, min_tokens=cfg.k_steps + 2, max_windows=cfg.eval_windows)
     # the draft vocabulary is chosen before training: the drafter trains over it, as it will be served
@@ -54,12 +55,13 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log, draft_vocab=ids)
     if rank != 0:
         return {}
-    save_drafter(drafter, out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
+    save_drafter(drafter.cpu(), out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
     vocab = write_draft_vocab(capture, ids, cfg, out, head.shape[0]) if ids is not None else None
     return _finish(res, out, title, {"layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps,
                                      "train_windows": len(train_w), "eval_windows": len(eval_w),
                                      "weights_in": str(weights) if weights else None, "draft_vocab": vocab,
-                                     "fresh_process": bool(os.environ.get(CHILD_ENV)) and world == 1})
+                                     "fresh_process": bool(os.environ.get(CHILD_ENV)) and world == 1,
+                                     "device": device_label(device)})
 
 
 def write_draft_vocab(capture, ids: list[int], cfg: TrainConfig, out: Path, vocab_size: int) -> dict:
@@ -158,8 +160,10 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
             markov_rank=dspark.markov_rank, num_hidden_layers=dspark.num_hidden_layers,
             enable_confidence_head=dspark.confidence_head))
         torch.nn.init.zeros_(draft.markov_head.markov_w2.weight)  # the Markov bias starts at zero: no random logit noise
-    head = read_tensor(model_dir, "lm_head.weight", torch.float32)
-    embed = target_embedding(model_dir)
+    device = resolve_device(cfg.device)
+    draft = draft.to(device)
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
+    embed = target_embedding(model_dir).to(device)
     layers = capture_layers(draft.cfg)
     K = draft.cfg.block_size
     train_w = load_windows(capture, "train", cfg.data_part, cfg.window, min_tokens=K + 2, feature_layers=layers)
@@ -196,10 +200,11 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
             log(f"confidence head: Platt-scaled on {len(cal_w)} unseen windows (a {r['a']:.3f}, b {r['b']:+.3f}); "
                 f"their ECE {r['ece_before']:.4f} → {r['ece_after']:.4f}, held-out "
                 f"{'n/a' if held is None else f'{held:.4f}'}")
-    save_dspark(draft, out / DSPARK_DIR, dtype=getattr(torch, cfg.save_dtype))
+    save_dspark(draft.cpu(), out / DSPARK_DIR, dtype=getattr(torch, cfg.save_dtype))
     return _finish(res, out, title, {"layout": "dspark", "loss": cfg.loss, "block_size": K, "anchors": dspark.anchors,
                                      "train_windows": len(train_w), "eval_windows": len(eval_w),
-                                     "weights_in": str(weights) if weights else None, **extra})
+                                     "weights_in": str(weights) if weights else None, **extra,
+                                     "device": device_label(device)})
 
 
 def recalibrate_confidence(draft, embed, head: torch.Tensor, windows, fraction: float) -> dict:
@@ -311,12 +316,22 @@ def _main() -> None:
         run_training(args.model_dir, args.capture, TrainConfig.model_validate_json(args.config_json), args.out,
                      weights=args.weights, title=args.title)
         return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cfg = TrainConfig.model_validate_json(args.config_json)
+    device = resolve_device(cfg.device)  # under torchrun: this rank's LOCAL_RANK GPU, or the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(device))
     try:
-        run_training(args.model_dir, args.capture, TrainConfig.model_validate_json(args.config_json), args.out,
-                     weights=args.weights, title=args.title)
+        run_training(args.model_dir, args.capture, cfg, args.out, weights=args.weights, title=args.title)
     finally:
         dist.destroy_process_group()
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL when the ranks train on GPUs, gloo when they train on CPUs: the backend follows where the gradients
+    live, not whether the machine has CUDA (NCCL cannot reduce CPU tensors: "No backend type associated with
+    device type cpu")."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 if __name__ == "__main__":

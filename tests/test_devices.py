@@ -1,0 +1,56 @@
+"""Device settings (train.device, capture.device, eval_offline.device) and their resolution
+(drafter/core/hardware.py), the torchrun backend rule (drafter/training/run.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.core.config import ReleaseConfig
+from drafter.core.errors import ConfigError
+from drafter.core.hardware import device_label, resolve_device
+from drafter.core.pipeline import plan
+from drafter.training.run import process_group_backend
+
+
+def test_auto_and_cpu_resolve_here():
+    assert resolve_device("cpu") == torch.device("cpu")
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == want
+    assert device_label("cpu") == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_is_an_error_naming_what_torch_sees(spec):
+    with pytest.raises(ConfigError, match=rf"device '{spec}': torch .* sees no CUDA GPU.*use device: auto or cpu"):
+        resolve_device(spec)
+
+
+def test_torchrun_rank_takes_its_local_gpu(monkeypatch):
+    """Under torchrun (LOCAL_RANK set) `auto` and `cuda` take the rank's own GPU; a rank beyond the GPUs is named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("auto") == torch.device("cuda", 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:5") == torch.device("cuda", 5)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"index 3.*has 2 CUDA GPU"):
+        resolve_device("auto")
+
+
+def test_backend_follows_the_device_not_the_machine():
+    """NCCL only for ranks whose gradients are on GPUs (a GPU machine training on CPUs uses gloo: the NCCL
+    choice by `torch.cuda.is_available()` failed with 'No backend type associated with device type cpu')."""
+    assert process_group_backend(torch.device("cpu")) == "gloo"
+    assert process_group_backend(torch.device("cuda", 1)) == "nccl"
+
+
+@pytest.mark.parametrize("section", ["train", "bootstrap_drafter", "capture", "eval_offline"])
+def test_device_is_operational_and_validated(section):
+    base = ReleaseConfig()
+    keys = {p.stage.name: p.key for p in plan(base)}
+    other = ReleaseConfig(**{section: {"device": "cuda:1"}})
+    assert {p.stage.name: p.key for p in plan(other)} == keys  # the same result on any device: no stage recomputed
+    with pytest.raises(Exception, match="device"):
+        ReleaseConfig(**{section: {"device": "gpu0"}})
