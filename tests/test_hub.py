@@ -151,7 +151,7 @@ def test_pr_mode_leaves_branch_untouched(hub, state, tmp_path):
     repo = state.repos[REPO]
     assert res["status"] == "published" and res["pr_num"] == 1 and res["pr_url"].endswith("/discussions/1")
     assert len(state.log(REPO)) == 1  # main still only has the initial commit
-    assert repo.prs[0].head == res["commit_sha"] and repo.tags["v0.1.0"] == res["commit_sha"]
+    assert repo.prs[0].head == res["commit_sha"] and repo.tags == {}  # no tag on refs/pr/1 (not on main)
     again = publish(folder, cfg)  # the open PR of this release is found: no second PR
     assert again["status"] == "already_published" and again["pr_num"] == 1 and len(repo.prs) == 1
     assert again["commit_sha"] == res["commit_sha"] and commits_posted(state) == 1
@@ -243,3 +243,107 @@ def test_pr_mode_lost_response_no_second_pr(hub, state, tmp_path):
     assert len(repo.prs) == 1 and f"Release-Id: {RID}" in repo.prs[0].description
     assert res["status"] == "already_published" and res["pr_num"] == 1 and res["commit_sha"] == repo.prs[0].head
     assert commits_posted(state) == 1 and len(state.log(REPO)) == 1
+
+
+def test_pr_mode_tag_waits_for_the_merge_then_tags_the_merge_commit(hub, state, tmp_path, monkeypatch, capsys):
+    """Issue 33 (6): in PR mode the tag never points at refs/pr/N (not on the branch). The plan and the
+    result say the tag waits for the merge and give the exact command; that command refuses while the PR
+    is open and, after the merge, tags the merge commit on main (idempotent)."""
+    import shlex
+
+    from huggingface_hub import HfApi
+
+    folder = make_release(tmp_path / "rel")
+    cfg = cfg_for(hub, mode="pr")
+    logs: list[str] = []
+    res = publish(folder, cfg, logs)
+    repo = state.repos[REPO]
+    assert res["status"] == "published" and res["pr_num"] == 1
+    assert repo.tags == {}, "a tag on the PR's commit points at a commit that is not on main"
+
+    from drafter.release.hub import main, tag_merged_release
+
+    plan = make_plan(folder, cfg, message="Release demo 0.1.0", tag="v0.1.0", release_id=RID)
+    assert plan["tag_at"] == "merge" and plan["tag_command"] in plan["tag_note"]
+    assert "refs/pr/N is not on main" in plan["tag_note"]
+    assert res["tag"] is None and res["tag_pending"] == "v0.1.0" and res["tag_command"] == plan["tag_command"]
+    assert "pull request #1" in res["tag_note"] and any(res["tag_command"] in line for line in logs)
+    cmd = shlex.split(res["tag_command"])
+    assert cmd[:4] == ["python", "-m", "drafter.release.hub", "tag-merged"]
+    assert cmd[4:] == ["--repo-id", REPO, "--release-id", RID, "--tag", "v0.1.0", "--endpoint", hub.url]
+
+    # before the merge: the command refuses, naming the PR and what to do; nothing is tagged
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert main(cmd[3:]) == 1
+    err = capsys.readouterr().err
+    assert "#1" in err and "open, not merged" in err and f"hf discussions merge {REPO} 1" in err and TOKEN not in err
+    assert repo.tags == {}
+
+    # the reviewer merges (the Hub squashes the PR into one commit on main); the command tags that commit
+    HfApi(endpoint=hub.url, token=TOKEN).merge_pull_request(REPO, 1)
+    merged = state.log(REPO)[0]
+    assert merged.title.endswith("(#1)") and merged.sha != res["commit_sha"]
+    assert main(cmd[3:]) == 0
+    assert repo.tags["v0.1.0"] == merged.sha and merged.sha in capsys.readouterr().out
+    assert main(cmd[3:]) == 0 and repo.tags["v0.1.0"] == merged.sha  # again: no change
+    again = tag_merged_release(cfg, token=TOKEN, tag="v0.1.0", release_id=RID, log=lambda s: None)
+    assert again["commit_sha"] == merged.sha and again["pr_num"] == 1
+
+
+def test_pr_mode_publish_after_the_merge_tags_the_merge_commit(hub, state, tmp_path):
+    """A later publish (retry / forced recompute) of the same release that finds its PR merged, with
+    main moved on since, tags the merge commit and opens no second PR."""
+    from huggingface_hub import HfApi
+
+    folder = make_release(tmp_path / "rel")
+    cfg = cfg_for(hub, mode="pr")
+    first = publish(folder, cfg)
+    repo = state.repos[REPO]
+    assert repo.tags == {}
+    HfApi(endpoint=hub.url, token=TOKEN).merge_pull_request(REPO, 1)
+    merged = state.log(REPO)[0]
+    later = state.add_commit(repo, merged.sha, "Someone else's commit", "", {**merged.tree, "x.txt": b"x"},
+                             set(merged.lfs))
+    repo.branches["main"] = later.sha
+    again = publish(folder, cfg)
+    assert again["status"] == "already_published" and again["pr_num"] == 1 and len(repo.prs) == 1
+    assert again["commit_sha"] == merged.sha != first["commit_sha"] and again["tag"] == "v0.1.0"
+    assert repo.tags["v0.1.0"] == merged.sha and commits_posted(state) == 1
+    assert merged.sha in {c.sha for c in state.log(REPO)}
+
+
+def test_offline_mode_is_refused_at_once_naming_hf_hub_offline(hub, state, tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE set: huggingface_hub raises OfflineModeIsEnabled (a ConnectionError) on every request, which
+    was retried 9 times and then blamed the Hub's status page. Now: one refusal naming the variable, not retried,
+    nothing sent."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = make_release(tmp_path / "rel")
+    with pytest.raises(PublishRefused, match=r"HF_HUB_OFFLINE is set.*Unset HF_HUB_OFFLINE") as ei:
+        publish(folder, cfg_for(hub))
+    assert is_permanent(ei.value) and "status.huggingface.co" not in str(ei.value)
+    assert commits_posted(state) == 0 and REPO not in state.repos
+
+
+def test_offline_error_inside_a_call_is_a_refusal():
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from drafter.release.hub import _call
+
+    def fn():
+        raise OfflineModeIsEnabled("Cannot reach https://hub: offline mode is enabled.")
+
+    with pytest.raises(PublishRefused, match="HF_HUB_OFFLINE") as ei:
+        _call("reading the branch head", fn, repo_id=REPO, token="t")
+    assert is_permanent(ei.value)
+
+
+def test_offline_environment_variable_is_read(tmp_path):
+    import subprocess
+    import sys
+
+    code = "from drafter.release.hub import check_online\ncheck_online('publishing to org/x')\n"
+    p = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "publishing to org/x: HF_HUB_OFFLINE is set" in p.stderr

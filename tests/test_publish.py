@@ -190,7 +190,45 @@ def test_publish_reads_the_token_from_a_prefect_secret_block_and_opens_one_pr(pr
         result = json.loads((Path(pub["path"]) / "publish.json").read_text())
         r = h.state.repos[repo]
         assert result["status"] == "published" and result["pr_num"] == 1 and result["pr_url"].endswith("/discussions/1")
-        assert [p.head for p in r.prs] == [result["commit_sha"]] and r.tags[f"v{__version__}-review"] == result["commit_sha"]
+        assert [p.head for p in r.prs] == [result["commit_sha"]]
         assert [c.title for c in h.state.log(repo)] == ["initial commit"]  # main untouched
+        # no tag on refs/pr/1 (not on main): it waits for the merge; the plan and the result say how
+        tag = f"v{__version__}-review"
+        plan = json.loads((Path(pub["path"]) / "publish-plan.json").read_text())
+        assert r.tags == {} and result["tag"] is None and result["tag_pending"] == tag
+        assert plan["tag_at"] == "merge" and plan["tag_command"] == result["tag_command"]
+        assert f"--release-id {result['release_id']} --tag {tag}" in result["tag_command"]
     assert "HF_TOKEN" not in os.environ  # the block's value was put in the environment for the stage only
     assert files_containing(Path(cfg.store.root), block_token.encode()) == []
+
+
+def test_cli_publish_output_says_the_pr_mode_tag_waits_for_the_merge(tmp_path, capsys):
+    """`drafter publish` in PR mode prints, for a dry run and after sending, that the tag is not on
+    refs/pr/N and the exact command that tags the merge commit once the PR is merged (one line)."""
+    from drafter.core.config import PublishConfig
+    from drafter.release.hub import make_plan, tag_command, tag_note
+    from flows.cli import _print_publish
+
+    out = tmp_path / "publish" / "k"
+    (out / "release").mkdir(parents=True)
+    (out / "release" / "README.md").write_text("# card\n")
+    pc = PublishConfig(repo_id=REPO, mode="pr", dry_run=False, tag="v0.1.0", endpoint="http://127.0.0.1:9")
+    plan = make_plan(out / "release", pc, message="Release demo 0.1.0", tag="v0.1.0", release_id="1a2b3c4d")
+    (out / "publish-plan.json").write_text(json.dumps(plan))
+    cmd = tag_command(pc, tag="v0.1.0", release_id="1a2b3c4d")
+    assert cmd == f"python -m drafter.release.hub tag-merged --repo-id {REPO} --release-id 1a2b3c4d --tag v0.1.0 " \
+                  "--endpoint http://127.0.0.1:9"
+    summary = {"stages": [{"stage": "publish", "status": "computed", "path": str(out)}]}
+    runs = {"dry_run": {"status": "dry_run", "send": "drafter publish"},
+            "published": {"status": "published", "repo_id": REPO, "pr_num": 3, "pr_url": "http://h/acme/discussions/3",
+                          "tag": None, "tag_pending": "v0.1.0", "tag_command": cmd,
+                          "tag_note": tag_note(pc, tag="v0.1.0", release_id="1a2b3c4d", pr_num=3)}}
+    for status, result in runs.items():
+        (out / "publish.json").write_text(json.dumps(result))
+        _print_publish(summary, None)
+        printed = capsys.readouterr().out
+        assert "tag v0.1.0 at merge" in " ".join(printed.split()), printed
+        (line,) = [ln for ln in printed.splitlines() if "tag-merged" in ln]  # the whole command on one line
+        assert cmd in line and "refs/pr/N is not on main" in line, printed
+        assert ("pull request #3" in line) == (status == "published")
+        assert "(tag v0.1.0)" not in printed  # never claims a tag that does not exist

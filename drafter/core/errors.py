@@ -5,6 +5,7 @@ describe a bad value with :func:`describe_value` (its type and size, never its c
 """
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -31,6 +32,13 @@ class StageError(DrafterError):
 class BadInputError(StageError):
     """An input the user gave (a prompt file, a row, a conversation) is invalid: the message names
     the file:line (or file row N) and the key; retrying cannot help."""
+
+    permanent = True
+
+
+class ResourceError(StageError):
+    """The machine cannot hold the stage's work (not enough disk for its estimate, a full or read-only disk):
+    a retry seconds later meets the same machine, so it is not retried; the message says what to free or change."""
 
     permanent = True
 
@@ -71,12 +79,15 @@ def describe_value(v: Any) -> str:
 # errors from outside the pipeline that a retry cannot fix: the same file stays unreadable or
 # undecodable, the same path stays a file where a directory should be
 _PERMANENT_BUILTINS = (PermissionError, UnicodeError, IsADirectoryError, NotADirectoryError)
+# OSError numbers a retry cannot fix either: a full disk or quota, a read-only file system, no permission
+_PERMANENT_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM") if hasattr(errno, n))
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """Whether ``exc`` cannot change on a retry: ConfigError, BadInputError, StoreError, the gate's
-    refusal (``permanent`` set on the class), PermissionError, UnicodeDecodeError, IsADirectoryError,
-    NotADirectoryError — also when one of them is the explicit cause (``raise … from e``) of ``exc``.
+    """Whether ``exc`` cannot change on a retry: ConfigError, BadInputError, ResourceError, StoreError, the
+    gate's refusal (``permanent`` set on the class), PermissionError, UnicodeDecodeError, IsADirectoryError,
+    NotADirectoryError, an OSError of a full disk or quota or a read-only file system (ENOSPC, EDQUOT, EROFS,
+    EACCES, EPERM) — also when one of them is the explicit cause (``raise … from e``) of ``exc``.
 
     Everything else (connection errors, timeouts, a server that died, a generate stage that lost
     too many requests) is transient: retried, and the stage resumes from its partial directory.
@@ -89,6 +100,8 @@ def is_permanent(exc: BaseException) -> bool:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if getattr(e, "permanent", False) is True or isinstance(e, _PERMANENT_BUILTINS):
+            return True
+        if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNOS:
             return True
         e = e.__cause__
     return False

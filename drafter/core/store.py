@@ -355,8 +355,10 @@ class Store:
     def runs(self, warn: Callable[[str], None] | None = None) -> list[dict]:
         """All readable run summaries, oldest first.
 
-        A summary that cannot be read or is not a run summary (truncated, not JSON, missing fields)
-        is skipped: ``warn`` (default: a logged warning) gets one line naming the file.
+        A summary that cannot be read or is not a run summary (truncated, not JSON, a field missing or
+        of the wrong type: :func:`run_summary_problem`) is skipped: ``warn`` (default: a logged warning)
+        gets one line per skipped file, naming the file and what is wrong with it. The good ones are
+        still returned; when every summary is bad the list is empty (``drafter runs`` then exits 1).
         """
         if warn is None:
             import logging
@@ -381,7 +383,8 @@ class Store:
             except json.JSONDecodeError as e:
                 problem = f"is not valid JSON (line {e.lineno}: {e.msg})"
             if problem:
-                warn(f"run summary {name} {problem}; skipped (remove the file if the run is not needed)")
+                problem = " ".join(str(problem).split())  # one line, whatever the OS / JSON error said
+                warn(f"run summary {name}: {problem}; skipped (fix or remove the file)")
                 continue
             out.append(summary)
         return sorted(out, key=lambda r: r.get("started_at", ""))
@@ -433,19 +436,58 @@ class Store:
         return removed, busy
 
 
+def _kind(v: Any) -> str:
+    """How a JSON value reads in a message: ``5 (a number)``, ``null``, ``a list``…"""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean)"
+    if isinstance(v, (int, float)):
+        return f"{v!r} (a number)"
+    if isinstance(v, str):
+        return f"{v[:40]!r} (a string)"
+    return {dict: "an object", list: "a list"}.get(type(v), type(v).__name__)
+
+
 def run_summary_problem(summary: Any) -> str | None:
-    """What is wrong with a run summary (as ``drafter runs`` reads it), or None."""
+    """What is wrong with a run summary (as ``drafter runs`` reads it), in a few words naming the
+    field and what it holds, or None when it has the shape ``drafter runs`` shows.
+
+    >>> run_summary_problem({"run_id": "r", "status": "completed", "started_at": "t", "stages": [],
+    ...                      "computed": [1], "reused": []})
+    '`computed[0]` is 1 (a number), not a stage name'
+    """
     if not isinstance(summary, dict):
-        return "is not a JSON object"
-    for k, typ in (("run_id", str), ("status", str), ("started_at", str), ("stages", list),
-                   ("computed", list), ("reused", list)):
-        if not isinstance(summary.get(k), typ):
-            return f"has no valid `{k}`"
+        return f"is {_kind(summary)}, not a JSON object"
+    for k in ("run_id", "status", "started_at"):
+        if k not in summary:
+            return f"has no `{k}`"
+        if not isinstance(summary[k], str) or not summary[k]:
+            return f"`{k}` is {_kind(summary[k])}, not a non-empty string"
+    for k in ("stages", "computed", "reused"):
+        if k not in summary:
+            return f"has no `{k}`"
+        if not isinstance(summary[k], list):
+            return f"`{k}` is {_kind(summary[k])}, not a list"
+    for k in ("computed", "reused"):
+        for i, v in enumerate(summary[k]):
+            if not isinstance(v, str):
+                return f"`{k}[{i}]` is {_kind(v)}, not a stage name"
     for i, s in enumerate(summary["stages"]):
-        if not isinstance(s, dict) or not all(k in s for k in ("stage", "key", "status", "seconds", "metrics")):
-            return f"has an invalid stages[{i}] entry"
-        if not isinstance(s["metrics"], dict) or not isinstance(s["seconds"], (int, float)):
-            return f"has an invalid stages[{i}] entry"
-        if s["status"] == "reused" and not isinstance(s.get("compute_seconds"), (int, float)):
-            return f"has an invalid stages[{i}] entry"
+        where = f"`stages[{i}]`"
+        if not isinstance(s, dict):
+            return f"{where} is {_kind(s)}, not an object"
+        for k in ("stage", "key", "status", "seconds", "metrics"):
+            if k not in s:
+                return f"{where} has no `{k}`"
+        for k in ("stage", "key", "status"):
+            if not isinstance(s[k], str):
+                return f"`stages[{i}].{k}` is {_kind(s[k])}, not a string"
+        if not isinstance(s["metrics"], dict):
+            return f"`stages[{i}].metrics` is {_kind(s['metrics'])}, not an object"
+        for k in ("seconds", *(("compute_seconds",) if s["status"] == "reused" else ())):
+            v = s.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), -float("inf")):
+                return f"`stages[{i}].{k}` is {_kind(v) if k in s else 'missing'}, not a number of seconds" + (
+                    " (a reused stage records its original compute time)" if k == "compute_seconds" else "")
     return None

@@ -54,7 +54,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from drafter.core.files import atomic_path, list_shards, shard_name, tokenize_conversation
-from drafter.core.errors import StageError, describe_value
+from drafter.core.errors import ResourceError, StageError, describe_value
 
 FORMAT = "drafter-features/1"
 SPLITS = ("train", "heldout")
@@ -187,15 +187,15 @@ def estimate_bytes(num_tokens: int, num_sequences: int, num_hidden: int, hidden_
 
 
 def check_disk(directory: Path, need_bytes: int, margin: float) -> int:
-    """Raise :class:`StageError` unless the disk holding ``directory`` has at least
-    ``margin × need_bytes`` free; returns the free bytes."""
+    """Raise :class:`~drafter.core.errors.ResourceError` (not retried: a retry meets the same disk) unless the
+    disk holding ``directory`` has at least ``margin × need_bytes`` free; returns the free bytes."""
     directory = Path(directory)
     probe = directory
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < margin * need_bytes:
-        raise StageError(
+        raise ResourceError(
             f"not enough disk for capture at {directory}: the features need an estimated "
             f"{need_bytes:,} bytes ({need_bytes / 2**30:.2f} GiB; × margin {margin:g} = "
             f"{int(margin * need_bytes):,} bytes) but only {free:,} bytes ({free / 2**30:.2f} GiB) are free. "

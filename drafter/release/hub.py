@@ -15,14 +15,21 @@ Safety rules (see DESIGN.md "Release (card + Hub)"):
   release is looked up, so a retry after a lost response never makes a duplicate;
 * 5xx / connection errors are retried (``cfg.retries``, backoff doubling); each retry starts by
   re-reading the head and re-looking up the release id. 4xx are refusals (permanent).
-* In PR mode the tag points at the PR's head commit (``refs/pr/N``), the branch is untouched.
+* In PR mode the branch is untouched and the tag waits for the merge: ``refs/pr/N`` is not on the
+  branch, so no tag is put on it. The plan and the result say so and give the exact command
+  (:func:`tag_command`: ``python -m drafter.release.hub tag-merged …``) that tags the PR's merge
+  commit once it is merged (:func:`tag_merged_release`); a later publish of the same release that
+  finds its PR merged tags the merge commit by itself.
 
 The token is only handed to ``HfApi``; no message or log line contains it.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -116,6 +123,31 @@ def commit_texts(message: str, release_id: str) -> tuple[str, str]:
     return f"{message} {release_marker(release_id)}", f"Release-Id: {release_id}"
 
 
+def tag_command(cfg: PublishConfig, *, tag: str, release_id: str) -> str:
+    """The exact command that tags a PR-mode release once its pull request is merged.
+
+    >>> tag_command(PublishConfig(repo_id="org/demo", mode="pr"), tag="v0.1.0", release_id="1a2b")
+    'python -m drafter.release.hub tag-merged --repo-id org/demo --release-id 1a2b --tag v0.1.0'
+    """
+    args = ["python", "-m", "drafter.release.hub", "tag-merged", "--repo-id", cfg.repo_id or "ORG/NAME",
+            "--release-id", release_id, "--tag", tag]
+    if cfg.branch != "main":
+        args += ["--branch", cfg.branch]
+    if cfg.endpoint:
+        args += ["--endpoint", cfg.endpoint]
+    if cfg.token_env != "HF_TOKEN":
+        args += ["--token-env", cfg.token_env]
+    return shlex.join(args)
+
+
+def tag_note(cfg: PublishConfig, *, tag: str, release_id: str, pr_num: int | None = None) -> str:
+    """One paragraph: in PR mode the tag waits for the merge, and how to create it then."""
+    pr = f"pull request #{pr_num}" if pr_num else "the pull request"
+    return (f"The tag {tag} is not created with {pr}: refs/pr/N is not on {cfg.branch}. Once {pr} is merged "
+            f"into {cfg.branch}, tag its merge commit with: {tag_command(cfg, tag=tag, release_id=release_id)} "
+            f"(the token in ${cfg.token_env}; it refuses while the pull request is not merged).")
+
+
 def make_plan(folder: Path, cfg: PublishConfig, *, message: str, tag: str | None, release_id: str) -> dict:
     """The content of ``publish-plan.json``: where and what would be sent (nothing is sent).
 
@@ -131,6 +163,10 @@ def make_plan(folder: Path, cfg: PublishConfig, *, message: str, tag: str | None
         "mode": cfg.mode,
         "private": cfg.private,
         "tag": tag,
+        # commit mode: the tag goes on the release commit; PR mode: on the merge commit, once merged
+        "tag_at": None if not tag else ("merge" if cfg.mode == "pr" else "commit"),
+        "tag_command": tag_command(cfg, tag=tag, release_id=release_id) if tag and cfg.mode == "pr" else None,
+        "tag_note": tag_note(cfg, tag=tag, release_id=release_id) if tag and cfg.mode == "pr" else None,
         "commit_message": title,
         "commit_description": description,
         "release_id": release_id,
@@ -148,10 +184,12 @@ def _status_of(exc: BaseException) -> int | None:
 def _call(what: str, fn: Callable[[], Any], *, repo_id: str, token: str) -> Any:
     """Run one Hub call; 5xx/429/connection errors ⇒ :class:`_Transient`, other HTTP errors ⇒
     :class:`PublishRefused` with a message that says what to do (never the token)."""
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     try:
         return fn()
+    except OfflineModeIsEnabled:  # a ConnectionError to huggingface_hub, but no retry can change it
+        raise PublishRefused(offline_message(what)) from None
     except HfHubHTTPError as e:
         status = _status_of(e)
         if status is None or status >= 500 or status == 429:
@@ -171,6 +209,20 @@ def _call(what: str, fn: Callable[[], Any], *, repo_id: str, token: str) -> Any:
         if type(e).__module__.startswith(("httpx", "httpcore")):
             raise _Transient(what, f"connection error ({type(e).__name__})") from None
         raise
+
+
+def offline_message(what: str = "publishing") -> str:
+    return (f"{what}: HF_HUB_OFFLINE is set in this environment, so huggingface_hub makes no request to the Hub. "
+            "Unset HF_HUB_OFFLINE (or set it to 0) where the publish runs, or keep publish.dry_run: true.")
+
+
+def check_online(what: str = "publishing") -> None:
+    """Refuse at once (:class:`PublishRefused`, not retried) when huggingface_hub is in offline mode
+    (``HF_HUB_OFFLINE``, read by huggingface_hub when it is imported)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise PublishRefused(offline_message(what))
 
 
 def _scrub(text: str, token: str) -> str:
@@ -200,34 +252,73 @@ def _same_tree(local: list[dict], remote: dict[str, str]) -> bool:
     return all(remote[f["path"]] in (f["sha256"], f["git_sha1"]) for f in local)
 
 
+def _branch_commits(api, repo_id: str, branch: str, token: str) -> list:
+    """The commits of ``branch``, newest first ([] when the branch does not exist)."""
+    try:
+        return _call("listing commits", lambda: api.list_repo_commits(repo_id, revision=branch),
+                     repo_id=repo_id, token=token)
+    except PublishRefused as e:
+        if "HTTP 404" in str(e):
+            return []
+        raise
+
+
+def _release_prs(api, repo_id: str, release_id: str, token: str) -> list:
+    """The pull requests (any status) whose title carries this release's marker, newest first."""
+    marker, trailer = release_marker(release_id), f"Release-Id: {release_id}"
+    prs = _call("listing pull requests", lambda: list(api.get_repo_discussions(
+        repo_id, discussion_type="pull_request")), repo_id=repo_id, token=token)
+    return [pr for pr in prs if marker in pr.title or trailer in pr.title]
+
+
+def _merged_commit(api, repo_id: str, pr, branch: str, release_id: str, token: str) -> str:
+    """The commit on ``branch`` that merged ``pr`` (the Hub's ``mergeCommitId``, else the branch commit
+    carrying the release marker); :class:`PublishRefused` when it is not on the branch."""
+    details = _call(f"reading pull request #{pr.num}", lambda: api.get_discussion_details(repo_id, pr.num),
+                    repo_id=repo_id, token=token)
+    target = (details.target_branch or f"refs/heads/{branch}").removeprefix("refs/heads/")
+    if target != branch:
+        raise PublishRefused(f"Pull request #{pr.num} of {repo_id} was merged into {target}, not {branch}: "
+                             f"the tag goes on {branch} only. Publish with publish.branch: {target}.")
+    commits = _branch_commits(api, repo_id, branch, token)
+    marker, trailer = release_marker(release_id), f"Release-Id: {release_id}"
+    sha = details.merge_commit_oid or next(
+        (c.commit_id for c in commits if marker in (c.title or "") or trailer in (c.message or "")), None)
+    if sha is None or sha not in {c.commit_id for c in commits}:
+        raise PublishRefused(f"Pull request #{pr.num} of {repo_id} is merged, but its merge commit "
+                             f"{sha or '(not reported)'} is not on {branch}: no tag created. Tag the commit "
+                             f"that holds the release by hand (hf repos tag create {repo_id} TAG --revision SHA).")
+    return sha
+
+
 def _find_earlier(api, repo_id: str, cfg: PublishConfig, release_id: str, token: str) -> dict | None:
-    """An earlier commit (commit mode) or open PR (PR mode) of this release, or None."""
+    """An earlier commit (commit mode) or open / merged PR (PR mode) of this release, or None.
+
+    PR mode: a merged PR gives its merge commit on the branch (``merged: True``), an open one its head
+    ``refs/pr/N`` (``merged: False``); a closed (unmerged) one is ignored, the release is sent again."""
     marker, trailer = release_marker(release_id), f"Release-Id: {release_id}"
     if cfg.mode == "pr":
-        prs = _call("listing open pull requests", lambda: list(api.get_repo_discussions(
-            repo_id, discussion_type="pull_request", discussion_status="open")), repo_id=repo_id, token=token)
+        prs = _release_prs(api, repo_id, release_id, token)
+        merged = next((pr for pr in prs if pr.status == "merged"), None)
+        if merged is not None:
+            sha = _merged_commit(api, repo_id, merged, cfg.branch, release_id, token)
+            return {"commit_sha": sha, "pr_num": merged.num, "pr_url": merged.url, "merged": True}
         for pr in prs:
-            if marker in pr.title or trailer in pr.title:
+            if pr.status in ("open", "draft"):
                 refs = _call("listing refs", lambda: api.list_repo_refs(repo_id, include_pull_requests=True),
                              repo_id=repo_id, token=token)
                 head = next((r.target_commit for r in refs.pull_requests or [] if r.ref == f"refs/pr/{pr.num}"), None)
-                return {"commit_sha": head, "pr_num": pr.num, "pr_url": pr.url}
+                return {"commit_sha": head, "pr_num": pr.num, "pr_url": pr.url, "merged": False}
         return None
-    try:
-        commits = _call("listing commits", lambda: api.list_repo_commits(repo_id, revision=cfg.branch),
-                        repo_id=repo_id, token=token)
-    except PublishRefused as e:
-        if "HTTP 404" in str(e):
-            return None
-        raise
-    for c in commits:
+    for c in _branch_commits(api, repo_id, cfg.branch, token):
         if marker in (c.title or "") or trailer in (c.message or ""):
             return {"commit_sha": c.commit_id, "pr_num": None, "pr_url": None}
     return None
 
 
 def _ensure_tag(api, repo_id: str, tag: str | None, sha: str, token: str, log) -> None:
-    """Tag ``sha`` (idempotent); the tag on another commit ⇒ :class:`PublishRefused`."""
+    """Tag ``sha`` (idempotent); the tag on another commit ⇒ :class:`PublishRefused`. Callers pass a
+    commit of the branch only (never a ``refs/pr/N`` head)."""
     if not tag or not sha:
         return
     refs = _call("listing tags", lambda: api.list_repo_refs(repo_id), repo_id=repo_id, token=token)
@@ -256,7 +347,17 @@ def _publish_once(api, folder: Path, files: list[dict], cfg: PublishConfig, *, t
                   tag: str | None, release_id: str, endpoint: str, log) -> dict:
     repo_id = cfg.repo_id
     result = {"repo_id": repo_id, "tag": tag, "branch": cfg.branch, "mode": cfg.mode, "release_id": release_id,
-              "endpoint": endpoint, "pr_url": None, "pr_num": None}
+              "endpoint": endpoint, "pr_url": None, "pr_num": None, "tag_pending": None, "tag_command": None}
+
+    def tag_waits(pr_num: int | None) -> dict:
+        """PR mode, PR not merged: no tag; the result says it waits for the merge and how to create it."""
+        if not tag:
+            return {}
+        note = tag_note(cfg, tag=tag, release_id=release_id, pr_num=pr_num)
+        log(note)
+        return {"tag": None, "tag_pending": tag, "tag_command": tag_command(cfg, tag=tag, release_id=release_id),
+                "tag_note": note}
+
     _call("creating the repo", lambda: api.create_repo(repo_id, private=cfg.private, exist_ok=True),
           repo_id=repo_id, token=token)
     head, remote = _remote_tree(api, repo_id, cfg.branch, token)
@@ -268,9 +369,12 @@ def _publish_once(api, folder: Path, files: list[dict], cfg: PublishConfig, *, t
     if earlier is not None:
         log(f"release {release_id} was already sent to {repo_id} (commit {str(earlier['commit_sha'])[:12]}"
             f"{', PR #' + str(earlier['pr_num']) if earlier['pr_num'] else ''}): not sending it again")
-        _ensure_tag(api, repo_id, tag, earlier["commit_sha"], token, log)
         sha = earlier["commit_sha"]
-        return {**result, **earlier, "status": "already_published", "commit_url": f"{endpoint}/{repo_id}/commit/{sha}"}
+        if earlier.pop("merged", True):  # a commit of the branch (commit mode, or the PR's merge commit)
+            _ensure_tag(api, repo_id, tag, sha, token, log)
+            return {**result, **earlier, "status": "already_published", "commit_url": f"{endpoint}/{repo_id}/commit/{sha}"}
+        return {**result, **earlier, **tag_waits(earlier["pr_num"]), "status": "already_published",
+                "commit_url": f"{endpoint}/{repo_id}/commit/{sha}"}
     title, description = commit_texts(message, release_id)
     ops = _operations(folder, files, remote)
     n_del = sum(1 for o in ops if type(o).__name__ == "CommitOperationDelete")
@@ -290,6 +394,8 @@ def _publish_once(api, folder: Path, files: list[dict], cfg: PublishConfig, *, t
     result.update(status="published", commit_sha=info.oid, commit_url=info.commit_url,
                   pr_url=info.pr_url, pr_num=info.pr_num)
     log(f"committed {info.oid[:12]} to {repo_id}" + (f" (PR #{info.pr_num}: {info.pr_url})" if info.pr_url else ""))
+    if cfg.mode == "pr":  # refs/pr/N is not on the branch: the tag waits for the merge
+        return {**result, **tag_waits(info.pr_num)}
     _ensure_tag(api, repo_id, tag, info.oid, token, log)
     return result
 
@@ -304,21 +410,34 @@ def publish_folder(folder: Path, cfg: PublishConfig, *, token: str, message: str
     """
     from huggingface_hub import HfApi
 
-    if not cfg.repo_id:
-        raise BadInputError("publish.repo_id is not set: give the Hub repo as ORG/NAME (e.g. --repo-id ORG/NAME).")
-    if not token:
-        raise BadInputError(f"No Hub token given (looked in {cfg.token_env}).")
+    _check_request(cfg, token, f"publishing to {cfg.repo_id or 'the Hub'}",
+                   "publish.repo_id is not set: give the Hub repo as ORG/NAME (e.g. --repo-id ORG/NAME).")
     folder = Path(folder)
     files = folder_files(folder)
     if not files:
         raise BadInputError(f"Release folder {folder} is empty: nothing to publish.")
     endpoint = endpoint_of(cfg)
     api = HfApi(endpoint=endpoint, token=token)
+    return _with_retries(cfg, endpoint, log, lambda: _publish_once(
+        api, folder, files, cfg, token=token, message=message, tag=tag, release_id=release_id, endpoint=endpoint,
+        log=log))
+
+
+def _check_request(cfg: PublishConfig, token: str, what: str, no_repo: str) -> None:
+    """Refusals before any request: offline mode, no repo id, no token."""
+    check_online(what)
+    if not cfg.repo_id:
+        raise BadInputError(no_repo)
+    if not token:
+        raise BadInputError(f"No Hub token given (looked in {cfg.token_env}).")
+
+
+def _with_retries(cfg: PublishConfig, endpoint: str, log, attempt_fn: Callable[[], dict]) -> dict:
+    """``attempt_fn()``, again after a 5xx / connection error (``cfg.retries``, backoff doubling)."""
     delay, last = cfg.retry_backoff_s, None
     for attempt in range(cfg.retries + 1):
         try:
-            return _publish_once(api, folder, files, cfg, token=token, message=message, tag=tag,
-                                 release_id=release_id, endpoint=endpoint, log=log)
+            return attempt_fn()
         except _Transient as e:
             last = e
             if attempt < cfg.retries:
@@ -328,3 +447,69 @@ def publish_folder(folder: Path, cfg: PublishConfig, *, token: str, message: str
     raise PublishError(f"The Hub at {endpoint} kept failing while {last.what} for {cfg.repo_id} "
                        f"({cfg.retries + 1} attempts, last: {last.status}). Check the endpoint / "
                        "https://status.huggingface.co and publish again: a retry will not duplicate the release.")
+
+
+def tag_merged_release(cfg: PublishConfig, *, token: str, tag: str, release_id: str, log=print) -> dict:
+    """Tag the merge commit of a PR-mode release (found by its release id) once its PR is merged; idempotent.
+
+    Refuses (:class:`PublishRefused`) while the pull request is open or closed unmerged, when no pull
+    request of the release exists, or when the tag already points at another commit.
+
+    >>> tag_merged_release(PublishConfig(repo_id="org/demo", mode="pr"), token=tok, tag="v0.1.0",
+    ...                    release_id="1a2b3c4d")                              # doctest: +SKIP
+    {'repo_id': 'org/demo', 'tag': 'v0.1.0', 'commit_sha': '…', 'pr_num': 1, ...}
+    """
+    from huggingface_hub import HfApi
+
+    _check_request(cfg, token, f"tagging the release on {cfg.repo_id or 'the Hub'}", "No repo given: pass --repo-id ORG/NAME.")
+    endpoint = endpoint_of(cfg)
+    api = HfApi(endpoint=endpoint, token=token)
+    repo_id = cfg.repo_id
+
+    def attempt() -> dict:
+        prs = _release_prs(api, repo_id, release_id, token)
+        if not prs:
+            raise PublishRefused(f"{repo_id} has no pull request of release {release_id} (title "
+                                 f"'… {release_marker(release_id)}'): nothing to tag. Check --repo-id / --release-id.")
+        pr = next((p for p in prs if p.status == "merged"), None)
+        if pr is None:
+            p = prs[0]
+            raise PublishRefused(f"Pull request #{p.num} of release {release_id} ({p.url}) is {p.status}, not merged: "
+                                 f"the tag {tag} goes on {cfg.branch} only after the merge. Merge it (on its page, "
+                                 f"or hf discussions merge {repo_id} {p.num}), then run this again.")
+        sha = _merged_commit(api, repo_id, pr, cfg.branch, release_id, token)
+        _ensure_tag(api, repo_id, tag, sha, token, log)
+        return {"repo_id": repo_id, "branch": cfg.branch, "tag": tag, "commit_sha": sha, "pr_num": pr.num,
+                "pr_url": pr.url, "commit_url": f"{endpoint}/{repo_id}/commit/{sha}"}
+
+    return _with_retries(cfg, endpoint, log, attempt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m drafter.release.hub tag-merged --repo-id ORG/NAME --release-id ID --tag TAG``: the
+    command a PR-mode publish prints (:func:`tag_command`). Exit 0 when tagged (or already tagged)."""
+    parser = argparse.ArgumentParser(prog="python -m drafter.release.hub")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tag-merged", help="tag the merge commit of a release's pull request, once it is merged")
+    t.add_argument("--repo-id", required=True, metavar="ORG/NAME")
+    t.add_argument("--release-id", required=True)
+    t.add_argument("--tag", required=True)
+    t.add_argument("--branch", default="main")
+    t.add_argument("--endpoint", default=None, help="default: HF_ENDPOINT, else https://huggingface.co")
+    t.add_argument("--token-env", default="HF_TOKEN", help="environment variable holding the token")
+    a = parser.parse_args(argv)
+    try:
+        cfg = PublishConfig(repo_id=a.repo_id, branch=a.branch, mode="pr", endpoint=a.endpoint, token_env=a.token_env,
+                            tag=None)
+        res = tag_merged_release(cfg, token=read_token(cfg), tag=a.tag, release_id=a.release_id,
+                                 log=lambda m: print(m, file=sys.stderr))
+    except (StageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{res['repo_id']}: tag {res['tag']} on {res['commit_sha']} (the merge of PR #{res['pr_num']} into "
+          f"{res['branch']}): {res['commit_url']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through main() in the tests
+    sys.exit(main())

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from drafter.data.capture import capture_rows, load_target_model
-from drafter.data.heldout import SETTING as HELDOUT_SETTING, describe_builtin, fingerprint, user_heldout
+from drafter.data.heldout import (SETTING as HELDOUT_SETTING, describe_builtin, fingerprint, record_truncation,
+                                  user_heldout)
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards, write_json_atomic
 from drafter.core.errors import BadInputError, StageError
@@ -74,7 +75,8 @@ def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tok
     model_dir = target_dir(inputs["prepare_target"])
     target = load_target_model(model_dir, device=resolve_device(c.device))
     features = out / HELDOUT_FEATURES
-    capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target)
+    cap = capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target)
+    info = record_truncation(info, cap.truncated, cfg.capture.max_seq_len)  # what was cut, in the held-out record
     try:
         windows = load_windows(features, "heldout", "all", c.window, min_tokens=min_tokens, max_windows=c.max_windows,
                                feature_layers=feature_layers)
