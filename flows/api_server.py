@@ -121,12 +121,23 @@ def prefect_api(timeout_s: float | None = None) -> Iterator[str]:
                                           f"before answering; its log: {log_path}")
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}):
+            _LOCAL_API.append(api)
             try:
                 yield api
             finally:
+                _LOCAL_API.remove(api)
                 _drain_clients()  # logs and events still queued go out while the server is up
     finally:
         procs.stop(proc, term_timeout_s=10)
+
+
+_LOCAL_API: list[str] = []  # the URL of the server prefect_api started, while it runs
+
+
+def is_temporary_server(api_url: str | None) -> bool:
+    """Whether ``api_url`` is the temporary local server :func:`prefect_api` started (PREFECT_API_URL not set):
+    it knows no deployments, work pools or blocks."""
+    return bool(api_url) and api_url in _LOCAL_API
 
 
 def _drain_clients(timeout_s: float = 15.0) -> None:

@@ -9,18 +9,21 @@
 
 Errors are one line, `error: …`, naming the file:line, key or value and what to do, and exit with
 2 for bad input (config, prompt files, an unknown stage, permission or decode errors), 1 for any
-other failure (a stage that failed, an inconsistent store). `release`, `stage` and `plan` run the
+other failure (a stage that failed, an inconsistent store); inside the release flow the stage's own error
+decides, and the terminal shows no traceback: the error line names the log file that holds it. `release`, `stage` and `plan` run the
 preflight checks (:mod:`drafter.data.preflight`) before any stage starts.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -57,9 +60,27 @@ def _fail(message: object, code: int) -> None:
     raise typer.Exit(code)
 
 
+_BAD_INPUT = (ConfigError, BadInputError, PermissionError, UnicodeError)
+
+
 def _exit_code(e: BaseException) -> int:
-    """2 for bad input (config, prompt files, permission or decode errors), 1 for other failures."""
-    return 2 if isinstance(e, (ConfigError, BadInputError, PermissionError, UnicodeError)) else 1
+    """2 for bad input (config, prompt files, permission or decode errors), 1 for other failures.
+
+    The original error decides: a wrapper that is neither one of the pipeline's errors nor bad input
+    (the release flow's :class:`flows.release.ReleaseFailed`, a RuntimeError around the stage's error) is
+    looked through along its explicit causes (``raise … from e``), as
+    :func:`drafter.core.errors.is_permanent` walks them; the first pipeline error or bad input found decides.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, _BAD_INPUT):
+            return 2
+        if isinstance(cur, DrafterError):
+            return 1
+        cur = cur.__cause__
+    return 1
 
 
 def _cli_errors(fn):
@@ -106,19 +127,95 @@ def _load(config: Path, profile: Optional[str], sets: Optional[list[str]], store
     return cfg
 
 
+class _NoTraceback(logging.Formatter):
+    """The terminal's formatter during ``drafter release``: a record's message without its traceback
+    (the record itself keeps it, for the log file and Prefect's database)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info or record.exc_text or record.stack_info):
+            return self.inner.format(record)
+        bare = logging.makeLogRecord(record.__dict__)
+        bare.exc_info = bare.exc_text = bare.stack_info = None
+        return self.inner.format(bare)
+
+
+def _release_log_path() -> Path | None:
+    """``$PREFECT_HOME/drafter-logs/release-<UTC time>-<pid>.log`` (None where it cannot be created)."""
+    from datetime import datetime, timezone
+
+    from prefect.settings import PREFECT_HOME
+
+    d = Path(PREFECT_HOME.value()).expanduser() / "drafter-logs"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return d / f"release-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def _flow_log() -> Iterator[Path | None]:
+    """While the release flow runs: every log record (Prefect's and the pipeline's, tracebacks included) also
+    goes to a log file (:func:`_release_log_path`), and the terminal shows the records without their
+    tracebacks, so that a failure ends in one `error: …` line. Yields the file's path (None if it could not be
+    created); the file is removed when the block ends without an error (Prefect's database keeps the logs)."""
+    root = logging.getLogger()
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    std = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)
+                or (type(h) is logging.StreamHandler and h.stream in std)]
+    saved = [(h, h.formatter) for h in consoles]
+    path = _release_log_path()
+    fh = None
+    if path is not None:
+        try:
+            fh = logging.FileHandler(path, encoding="utf-8", delay=True)
+        except OSError:
+            path = None
+    if fh is not None:
+        fh.setLevel(logging.INFO)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s"))
+        root.addHandler(fh)
+    for h, fmt in saved:
+        h.setFormatter(_NoTraceback(fmt))
+    ok = False
+    try:
+        yield path
+        ok = True
+    finally:
+        for h, fmt in saved:
+            h.setFormatter(fmt)
+        if fh is not None:
+            root.removeHandler(fh)
+            fh.close()
+            if ok and path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
 def _run_release(cfg: ReleaseConfig, stage: Optional[list[str]], prefect_startup_timeout: Optional[float]) -> dict:
+    """Run the release flow; a failure inside it is one `error: …` line (the original error's message and exit
+    code: 2 for bad input, also when a stage raised it) naming the log file that holds the traceback."""
     exit_on_signals()
+    from flows.release import ReleaseFailed
     from flows.release import release as release_flow
 
-    try:
-        with prefect_api(prefect_startup_timeout):
-            return release_flow(config=cfg, stages=stage)
-    except DrafterError as e:
-        _fail(e, _exit_code(e))
-    except RuntimeError as e:
-        if isinstance(e, typer.Exit):
+    with _flow_log() as log_path:
+        try:
+            with prefect_api(prefect_startup_timeout):
+                return release_flow(config=cfg, stages=stage)
+        except typer.Exit:
             raise
-        _fail(e, 1)
+        except Exception as e:  # noqa: BLE001 - every failure of the flow: one line, the traceback in the log
+            message = _one_line(e) if isinstance(e, (DrafterError, ReleaseFailed)) else f"{type(e).__name__}: {_one_line(e)}"
+            if log_path is not None and log_path.is_file() and log_path.stat().st_size:
+                message += f" (the traceback: {log_path})"
+            _fail(message, _exit_code(e))
 
 
 StartupOpt = typer.Option(
@@ -306,10 +403,10 @@ def plan_cmd(config: Path = ConfigOpt, profile: Optional[str] = ProfileOpt, set_
     unreachable = None
     if not st.local:  # a remote store without credentials or network: the stage plan without states, and why
         try:
-            st.find(planned[0].stage.name, planned[0].key)
-        except DrafterError:
-            pass  # a corrupt output: shown in the table
-        except Exception as e:  # noqa: BLE001 - botocore / fsspec / network errors have no common base
+            st.check_access()  # one bounded request; StoreAccessError says what is wrong in one line
+        except DrafterError as e:
+            unreachable = _one_line(e)
+        except Exception as e:  # noqa: BLE001 - anything else fsspec raises: its type and first line
             unreachable = f"{type(e).__name__}: {_one_line(e)[:200]}"
         if unreachable is None:
             preflight(cfg, None, check_outputs=False, check_lengths=False)

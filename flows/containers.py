@@ -37,7 +37,7 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.errors import ConfigError, DrafterError, StoreError
 from drafter.core.pipeline import PlannedStage, StageResult
 from drafter.core.store import Store
-from flows.api_server import at_stop
+from flows.api_server import at_stop, is_temporary_server
 
 
 class ContainerStageError(DrafterError):
@@ -79,9 +79,31 @@ def check_deployments(cfg: ReleaseConfig, stages: list[str]) -> None:
             except ObjectNotFound:
                 missing.append(f"{name} (stage {stage})")
     if missing:
-        raise ConfigError(f"runner: containers needs these deployments, which the Prefect server does not have: "
-                          f"{', '.join(missing)}; deploy them (DRAFTER_HOME=$PWD prefect --no-prompt deploy --all "
-                          f"--prefect-file deployments/prefect.yaml) or point runner.deployment(s) at yours")
+        raise ConfigError(missing_deployments_message(missing))
+
+
+DEPLOY_COMMAND = "DRAFTER_HOME=$PWD prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml"
+
+
+def missing_deployments_message(missing: list[str]) -> str:
+    """The error for deployments the Prefect server does not have: which server (PREFECT_API_URL, or the
+    temporary one `drafter release` starts without it, which has none) and what to do."""
+    from urllib.parse import urlsplit
+
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    head = f"runner: containers needs these deployments, which the Prefect server "
+    if not url or is_temporary_server(url):
+        return (head + f"of this run does not have: {', '.join(missing)}; PREFECT_API_URL is not set, so this run "
+                "started a temporary local server, which has no deployments: set PREFECT_API_URL to the server they "
+                f"are deployed on, deploy them to a server first ({DEPLOY_COMMAND} with PREFECT_API_URL set), "
+                "or point runner.deployment(s) at yours")
+    parts = urlsplit(url)  # never a password of the URL
+    shown = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    return (head + f"at PREFECT_API_URL={shown} does not have: {', '.join(missing)}; deploy them there "
+            f"({DEPLOY_COMMAND}), set PREFECT_API_URL to the server that has them, or point runner.deployment(s) "
+            "at yours")
 
 
 def _describe(run: FlowRun, deployment: str) -> str:

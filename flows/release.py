@@ -22,6 +22,15 @@ from flows.events import failure_event
 from tasks import for_stage
 
 
+class ReleaseFailed(RuntimeError):
+    """A stage of the release failed. Its ``__cause__`` is the stage's own error (``raise … from``): its
+    class decides whether a retry could help and the command line's exit code (2 for bad input)."""
+
+    def __init__(self, message: str, stage: str):
+        super().__init__(message)
+        self.stage = stage
+
+
 def resolve_config(config: ReleaseConfig | dict | None, config_path: str | None, profile: str | None,
                    overrides: list[str] | None) -> ReleaseConfig:
     """The run's config: the `config` parameter (the form) when given — it wins over a deployment's
@@ -126,5 +135,5 @@ def release(config: ReleaseConfig | None = None, config_path: str | None = None,
     print(format_table(summary))
     if error:
         failure_event(cfg.name, run_id, *failed)  # a notification through deployments/automations.yaml
-        raise RuntimeError(f"release {cfg.name} failed at {error}")
+        raise ReleaseFailed(f"release {cfg.name} failed at {error}", failed[0]) from failed[1]
     return summary

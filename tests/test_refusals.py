@@ -66,3 +66,16 @@ def test_a_full_disk_while_writing_leaves_nothing(tmp_path):
     with pytest.raises(OSError, match="No space left on device"):
         store.produce("capture", "k2", write, {})
     assert not store.partial_dir("capture", "k2").exists() and store.partials() == []
+
+
+def test_a_checkpoint_without_weights_is_bad_input(tmp_path):
+    """prepare_target.path without weights: bad input (exit 2, not retried), was a StageError retried twice."""
+    from drafter.core.errors import BadInputError
+    from drafter.models.target import resolve_path_target
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(BadInputError, match=r"has no \*\.safetensors or \*\.bin weights; point prepare_target\.path") as ei:
+        resolve_path_target(tmp_path)
+    assert is_permanent(ei.value)
+    with pytest.raises(BadInputError, match="is not a directory"):
+        resolve_path_target(tmp_path / "missing")

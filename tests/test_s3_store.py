@@ -166,3 +166,146 @@ def test_a_tampered_object_is_detected_by_name(s3, tmp_path):
     fs.rm(f"{BUCKET}/tamper/x/{art.manifest['upload']}/weights.bin")
     with pytest.raises(StoreError, match="weights.bin is listed in its manifest but missing"):
         Store(root, cache_dir=tmp_path / "cache-c").find("x", "k1")
+
+
+# ------------------------------------------------------------------ preflight: a store that cannot be used (issue 33)
+
+AWS_ENV_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
+                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CA_BUNDLE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+SECRET = "s3cr3t-never-printed"
+
+
+@pytest.fixture
+def no_aws(tmp_path, monkeypatch):
+    """An environment with no AWS settings at all: no AWS_* variable and a HOME without ~/.aws."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("AWS_")] + list(AWS_ENV_NAMES):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+def s3_config(tmp_path: Path, root: str) -> Path:
+    from tests.test_bad_input import write_config
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    return write_config(tmp_path, ckpt, store={"root": root, "cache_dir": str(tmp_path / "cache")})
+
+
+def release_fails_in_preflight(tmp_path: Path, root: str, *needles: str) -> str:
+    """`drafter release` on ``root``: exit 2 with one `error:` line (no traceback) naming the store and ``needles``;
+    nothing of the secret; the store's local cache holds nothing of a stage."""
+    from tests.test_bad_input import assert_bad, cli
+
+    res = cli("release", "-c", s3_config(tmp_path, root))
+    line = assert_bad(res, f"error: store.root {root}:", *needles, code=2)
+    assert SECRET not in res.output
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
+    return line
+
+
+def test_an_s3_store_without_credentials_fails_in_preflight_in_one_line(no_aws, tmp_path):
+    line = release_fails_in_preflight(tmp_path, "s3://drafter-no-creds/store", "no AWS credentials found",
+                                      "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")
+    print(f"\n{line}")
+
+
+def test_an_s3_store_on_an_unreachable_endpoint_fails_in_preflight_in_one_line(no_aws, tmp_path, monkeypatch):
+    from drafter.serving.server import free_port
+
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    line = release_fails_in_preflight(tmp_path, "s3://drafter-unreachable/store",
+                                      f"S3 endpoint unreachable: 127.0.0.1:{port}", "AWS_ENDPOINT_URL")
+    print(f"\n{line}")
+
+
+def test_the_preflight_probe_makes_one_attempt_and_the_store_bounded_ones(no_aws, tmp_path, monkeypatch):
+    """No timing assertion (DEVELOPERS.md): the probe's settings are bounded, and an endpoint that accepts a
+    connection and closes it at once sees one attempt (unbounded: botocore's 5)."""
+    import socket
+    import threading
+
+    from drafter.core.store import StoreAccessError, open_fs
+
+    probe, _ = open_fs("s3://b/p", probe=True)
+    assert probe.retries == 1
+    assert probe.config_kwargs["retries"]["total_max_attempts"] == 1
+    assert probe.config_kwargs["connect_timeout"] <= 5 and probe.config_kwargs["read_timeout"] <= 5
+    store = Store("s3://b/p", cache_dir=tmp_path / "cache")
+    assert store.fs.retries <= 3 and store.fs.config_kwargs["retries"]["total_max_attempts"] <= 3
+    assert store.fs.config_kwargs["connect_timeout"] <= 5
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    accepted, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            accepted.append(1)
+            conn.close()  # an endpoint that hangs up: botocore would retry it
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    port = srv.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreAccessError, match=f"unreachable: 127.0.0.1:{port}") as ei:
+            Store("s3://drafter-hangup/store", cache_dir=tmp_path / "cache").check_access()
+        print(f"\nprobe of an endpoint that hangs up: {time.monotonic() - t0:.2f} s; {ei.value}")
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+    # one attempt: aiohttp itself reconnects once when a fresh connection closes before any response, so one
+    # attempt is 2 connections (unbounded, botocore's 5 attempts made 10)
+    assert len(accepted) <= 2, len(accepted)
+    assert ei.value.permanent is False  # an endpoint may come back: a stage's retry is not pointless
+
+
+def test_an_s3_store_whose_bucket_does_not_exist_fails_in_one_line_and_an_existing_one_passes(s3, tmp_path):
+    from drafter.core.store import StoreAccessError
+
+    Store(f"s3://{BUCKET}/probe", cache_dir=tmp_path / "cache").check_access()  # no error
+    with pytest.raises(StoreAccessError, match="the bucket 'no-such-bucket' does not exist at AWS_ENDPOINT_URL="):
+        Store("s3://no-such-bucket/store", cache_dir=tmp_path / "cache").check_access()
+
+
+@pytest.mark.parametrize("code,status,needle", [
+    ("InvalidAccessKeyId", 403, "AWS credentials rejected by the S3 server (InvalidAccessKeyId)"),
+    ("SignatureDoesNotMatch", 403, "AWS credentials rejected by the S3 server (SignatureDoesNotMatch)"),
+    ("AccessDenied", 403, "access denied (AccessDenied)"),
+    ("NoSuchBucket", 404, "the bucket 'b' does not exist"),
+])
+def test_s3_errors_as_s3fs_raises_them_become_one_line_without_the_secret(no_aws, monkeypatch, code, status, needle):
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    from drafter.core.store import describe_access_error
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    boto = ClientError({"Error": {"Code": code, "Message": f"refused for {SECRET}"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "ListObjectsV2")
+    err = describe_access_error("s3://b/p", translate_boto_error(boto))  # s3fs's OSError, the ClientError its cause
+    assert err is not None and needle in str(err), err
+    assert str(err).startswith("store.root s3://b/p: ") and "\n" not in str(err) and SECRET not in str(err)
+    assert describe_access_error("s3://b/p", ValueError("something else")) is None

@@ -257,6 +257,8 @@ def _other_value(name: str, value):
         return {"volumes": ["/data:/data"]}
     if name == "docker_gpus":
         return None if value else "all"
+    if name == "device":  # train/capture/eval_offline.device: auto, cpu, cuda, cuda:N
+        return "cuda:1" if value != "cuda:1" else "cpu"
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):

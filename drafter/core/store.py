@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -49,12 +50,133 @@ import fsspec
 
 from drafter import __version__
 from drafter.core import procs
-from drafter.core.errors import StageSkipped, StoreError, is_permanent
+from drafter.core.errors import ConfigError, StageSkipped, StoreError, is_permanent
 from drafter.core.hardware import container
 from drafter.core.stage import Artifact, Metrics
 
 MANIFEST = "manifest.json"
 EXCLUSIVE_CREATE = ("s3", "s3a")  # fsspec protocols whose put_file(mode="create") is an atomic create-if-absent
+S3_PROTOCOLS = ("s3", "s3a")
+# Network bounds of an S3 store (s3fs over botocore). Unbounded, one unreachable endpoint cost 22 s of
+# retries (botocore's 5 attempts inside each of s3fs's 5) before a traceback. A stage still retries a
+# dropped connection (3 attempts, AWS's "standard" mode, inside s3fs's 3); botocore settings the user gives
+# fsspec (FSSPEC_S3_CONFIG_KWARGS='{"connect_timeout": 30}') win over these.
+S3_STORE_OPTIONS = {"retries": 3, "config_kwargs": {"connect_timeout": 5,
+                                                    "retries": {"mode": "standard", "total_max_attempts": 3}}}
+# The preflight probe (Store.check_access): one request, one attempt, short timeouts (these win over the user's).
+S3_PROBE_OPTIONS = {"retries": 1, "config_kwargs": {"connect_timeout": 3, "read_timeout": 5,
+                                                    "retries": {"mode": "standard", "total_max_attempts": 1}}}
+# S3 error codes of credentials the server does not accept (a missing or wrong key, a bad signature, an old token)
+_S3_REJECTED = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+                "InvalidClientTokenId", "UnrecognizedClientException", "AuthorizationHeaderMalformed")
+
+
+class StoreAccessError(ConfigError):
+    """A remote store cannot be used from this machine: no credentials, credentials refused, no such bucket,
+    an endpoint that does not answer. The message names the store URL, what is wrong and what to set; never a
+    secret. ``permanent`` is False for an unreachable endpoint (a retry may find it up), True otherwise."""
+
+    def __init__(self, message: str, permanent: bool = True):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def open_fs(root: str, probe: bool = False) -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs(root)``, with bounded timeouts and retries on S3 (:data:`S3_STORE_OPTIONS`;
+    ``probe``: :data:`S3_PROBE_OPTIONS` on a fresh, uncached filesystem). Other protocols: fsspec's defaults."""
+    protocol = fsspec.core.split_protocol(root)[0]
+    if protocol not in S3_PROTOCOLS:
+        return fsspec.core.url_to_fs(root)
+    user = {**fsspec.config.conf.get("s3", {}), **fsspec.config.conf.get(protocol, {})}
+    ours = S3_PROBE_OPTIONS if probe else S3_STORE_OPTIONS
+    user_config = user.get("config_kwargs") or {}
+    if probe:
+        kw = {"config_kwargs": {**user_config, **ours["config_kwargs"]}, "skip_instance_cache": True}
+    else:
+        kw = {"config_kwargs": {**ours["config_kwargs"], **user_config}}
+    fs, path = fsspec.core.url_to_fs(root, **kw)
+    fs.retries = ours["retries"]  # s3fs's own retry loop around each call (a class attribute, not an argument)
+    return fs, path
+
+
+def _s3_endpoint_setting() -> tuple[str, str] | None:
+    """(variable, value) of the environment variable that sets the S3 endpoint, if one does."""
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(var):
+            return var, os.environ[var]
+    return None
+
+
+def _host_port(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    return f"{u.hostname}:{port}"
+
+
+def describe_access_error(root: str, e: BaseException) -> StoreAccessError | None:
+    """What is wrong with the remote store ``root``, from an error of its filesystem (s3fs / botocore, also
+    when wrapped as an OSError): no credentials, credentials refused, access denied, no such bucket, endpoint
+    unreachable — one line with what to set. None for an error it does not recognise."""
+    try:
+        from botocore import exceptions as bx
+    except ImportError:
+        return None
+    from drafter.core.urls import redact_url
+
+    where = f"store.root {redact_url(root)}"
+    creds_fix = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary credentials), "
+                 "or AWS_PROFILE naming a profile in ~/.aws/credentials, in the environment of the run")
+    endpoint = _s3_endpoint_setting()
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)):
+            what = ("no AWS credentials found (environment, AWS_PROFILE / ~/.aws, instance metadata)"
+                    if isinstance(x, bx.NoCredentialsError) else f"incomplete AWS credentials ({x})")
+            return StoreAccessError(f"{where}: {what}; {creds_fix}, or use a local store (--store DIR)")
+        if isinstance(x, bx.ProfileNotFound):
+            return StoreAccessError(f"{where}: the AWS profile {x.kwargs.get('profile')!r} (AWS_PROFILE) is not in "
+                                    f"~/.aws/config or ~/.aws/credentials; fix AWS_PROFILE or add that profile")
+        if isinstance(x, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ConnectionClosedError,
+                          bx.ReadTimeoutError)):
+            url = x.kwargs.get("endpoint_url") or (endpoint[1] if endpoint else "")
+            why = {bx.ConnectTimeoutError: "connect timed out", bx.ReadTimeoutError: "no answer in time",
+                   bx.ConnectionClosedError: "connection closed"}.get(type(x), "cannot connect")
+            fix = (f"check {endpoint[0]} ({redact_url(endpoint[1])}) and that the S3 server runs and is reachable "
+                   "from this machine" if endpoint else
+                   "check this machine's network, or set AWS_ENDPOINT_URL for an S3-compatible server")
+            return StoreAccessError(f"{where}: S3 endpoint unreachable: {_host_port(url)} ({why}); {fix}",
+                                    permanent=False)
+        if isinstance(x, bx.SSLError):
+            url = x.kwargs.get("endpoint_url") or ""
+            return StoreAccessError(f"{where}: TLS with the S3 endpoint {_host_port(url)} failed; check "
+                                    f"{endpoint[0] if endpoint else 'AWS_ENDPOINT_URL'} (http:// or https://) and "
+                                    "AWS_CA_BUNDLE")
+        if isinstance(x, bx.ParamValidationError):
+            return StoreAccessError(f"{where}: not a valid S3 location ({' '.join(str(x).split())}); fix store.root "
+                                    "(s3://BUCKET/PREFIX)")
+        if isinstance(x, bx.ClientError):
+            err = x.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = x.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            bucket = root.split("://", 1)[-1].split("/", 1)[0]
+            at = f" at {endpoint[0]}={redact_url(endpoint[1])}" if endpoint else ""
+            if code in _S3_REJECTED:
+                return StoreAccessError(f"{where}: AWS credentials rejected by the S3 server ({code}){at}; check "
+                                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) and that they "
+                                        "belong to this endpoint")
+            if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
+                return StoreAccessError(f"{where}: access denied ({code or status}){at}; give these AWS credentials "
+                                        f"list, read and write access to s3://{bucket}, or set AWS credentials that "
+                                        "have it")
+            if code in ("NoSuchBucket", "404") or status == 404:
+                return StoreAccessError(f"{where}: the bucket {bucket!r} does not exist{at}; create it "
+                                        f"(aws s3 mb s3://{bucket}) or fix store.root")
+            return None
+        x = x.__cause__ or x.__context__
+    return None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -116,7 +238,7 @@ class Store:
     def __init__(self, root: str | os.PathLike, cache_dir: str | os.PathLike = "~/.cache/drafter-release/store",
                  verify: str = "sha256"):
         root = str(root)
-        self.fs, self._root = fsspec.core.url_to_fs(root)
+        self.fs, self._root = open_fs(root)
         self.local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
         self.root_url = root
         self.verify = verify
@@ -137,6 +259,30 @@ class Store:
             where = "store.root" if self.local else "store.cache_dir"
             raise StoreError(f"{where} {self.work}: cannot create it ({e.strerror}); choose a writable {where} "
                              "(or --store)") from None
+
+    def check_access(self) -> None:
+        """Of a remote store: one cheap request (on S3 a one-key listing under the root), one attempt with short
+        timeouts (:data:`S3_PROBE_OPTIONS`). Raises :class:`StoreAccessError` naming the store, what is wrong and
+        what to set (:func:`describe_access_error`). A local store: nothing (preflight checks it is writable)."""
+        if self.local:
+            return
+        fs, path = open_fs(self.root_url, probe=True)
+        try:
+            if fs.protocol in S3_PROTOCOLS or (isinstance(fs.protocol, tuple) and set(fs.protocol) & set(S3_PROTOCOLS)):
+                bucket, key, _ = fs.split_path(path)
+                fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key.rstrip("/") + "/" if key else "", MaxKeys=1)
+            else:
+                fs.exists(path)
+        except Exception as e:  # noqa: BLE001 - botocore / s3fs / network errors have no common base
+            from drafter.core.urls import redact_url
+
+            err = describe_access_error(self.root_url, e)
+            if err is None:
+                err = StoreAccessError(f"store.root {redact_url(self.root_url)} cannot be read "
+                                       f"({type(e).__name__}: {' '.join(redact_url(str(e)).split())[:300]}); check "
+                                       "store.root and the store's credentials and endpoint, or use a local store "
+                                       "(--store DIR)", permanent=False)
+            raise err from None
 
     # ---- paths -------------------------------------------------------------------------
     def _remote(self, *parts: str) -> str:
@@ -207,10 +353,26 @@ class Store:
     # ---- writing -----------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
-        """Exclusive lock on (stage, key) on this machine; released when the process dies."""
+        """Exclusive lock on (stage, key) on this machine; released when the process dies.
+
+        A stage directory this user may not write (or a read-only file system) is refused at once with a
+        :class:`~drafter.core.errors.ConfigError` naming it and what to do (not retried; nothing is left)."""
         lock_path = self.work / stage / f".{key}.lock"
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "w") as fh:
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(lock_path, "w")
+        except OSError as e:
+            if not isinstance(e, PermissionError) and e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            from drafter.core.errors import ConfigError
+
+            setting = "store.root" if self.local else "store.cache_dir"
+            where = Path(e.filename) if e.filename else lock_path.parent
+            if where == lock_path:
+                where = lock_path.parent
+            raise ConfigError(f"{setting} {self.work}: cannot write {where} ({e.strerror or e}); make it writable by "
+                              f"this user, or point {setting} (or --store) elsewhere") from e
+        with fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -32,7 +32,9 @@ line naming the file:line, key or value at fault and what to do.
    check_not_trained_on` names the file:line and how many overlap);
 6. the held-out split is not empty, and the train half a training stage uses is not empty —
    computed exactly as the pipeline splits (the prompts' own split, :func:`drafter.data.windows.row_part`);
-7. the store: root creatable and writable, no file where a stage's directory should be;
+7. the store: root creatable and writable, no file where a stage's directory should be; a remote
+   store answers one request with short timeouts and no retries (:meth:`~drafter.core.store.Store.check_access`:
+   no credentials, credentials refused, no such bucket, endpoint unreachable — one line naming the store);
    outputs already in the store are readable (manifest parses, file sizes match);
 8. serving, for stages still to run that start an engine: the serving python exists, is
    executable and has vLLM (``launcher: subprocess``), ``docker`` is on PATH (``launcher:
@@ -324,6 +326,7 @@ def _check_store_root(cfg: ReleaseConfig, needed: list[str]) -> None:
         store = open_store(cfg)
     except StoreError as e:
         raise ConfigError(str(e)) from None
+    store.check_access()  # a remote store: one request, short timeouts; StoreAccessError (a ConfigError) names it
     where = "store.root" if store.local else "store.cache_dir"
     try:
         fd, tmp = tempfile.mkstemp(prefix=".preflight-", dir=store.work)

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drafter.core.errors import StageError
+from drafter.core.errors import BadInputError, StageError
 
 if TYPE_CHECKING:
     import torch
@@ -483,12 +483,13 @@ def target_dir(artifact: "Artifact | Path") -> Path:
 def resolve_path_target(path: str | Path) -> Path:
     """Validate a local checkpoint directory (never copied: real weights are huge)."""
     p = Path(path).expanduser().resolve()
-    if not p.is_dir():
-        raise StageError(f"prepare_target.path: {p} is not a directory")
+    fix = "; point prepare_target.path at a Hugging Face checkpoint directory (config.json + weights)"
+    if not p.is_dir():  # bad input: no retry can change it (BadInputError is not retried)
+        raise BadInputError(f"prepare_target.path: {p} is not a directory{fix}")
     if not (p / "config.json").is_file():
-        raise StageError(f"prepare_target.path: {p} has no config.json (not a Hugging Face checkpoint)")
+        raise BadInputError(f"prepare_target.path: {p} has no config.json (not a Hugging Face checkpoint){fix}")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        raise StageError(f"prepare_target.path: {p} has no *.safetensors or *.bin weights")
+        raise BadInputError(f"prepare_target.path: {p} has no *.safetensors or *.bin weights{fix}")
     return p
 
 
