@@ -118,13 +118,6 @@ def random_windows(n: int, T: int, vocab: int, hidden: int, seed: int, features:
     return out
 
 
-def to_device(win, device: torch.device):
-    from drafter.data.windows import Window
-
-    f = None if win.features is None else win.features.to(device)
-    return Window(win.row_id, win.start, win.input_ids.to(device), win.loss_mask.to(device), win.hidden.to(device), f)
-
-
 def train_cfg(**kw):
     from drafter.core.config import TrainConfig
 
@@ -177,7 +170,7 @@ def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
                 d = copy.deepcopy(base).to(dev)
                 hw = head.to(dev)
                 vh = None if vocab_ids is None else VocabHead.of(vocab_ids.to(dev), hw)
-                loss, _ = window_loss(d, hw, to_device(win, dev), cfg, weights.to(dev), vocab=vh)
+                loss, _ = window_loss(d, hw, win.to(dev), cfg, weights.to(dev), vocab=vh)
                 loss.backward()
                 g = next(p.grad for n, p in d.named_parameters() if n.endswith("eh_proj.weight"))
                 vals.append((float(loss.detach()), g.detach().double().cpu()))
@@ -197,7 +190,7 @@ def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
         cfg = train_cfg(k_steps=2)
         weights = L.position_weights(2, cfg.gamma).to(dev)
         params = [p for n, p in d.named_parameters() if not n.startswith("embed_tokens")]
-        w = to_device(win, dev)
+        w = win.to(dev)
         step = timed_steps(lambda: window_loss(d, hw, w, cfg, weights, vocab=vh)[0], params, dev, steps, lr=1e-4)
         res.append((len(win.input_ids) / step, peak_gib(dev)))
     c.cpu = f"{res[0][0]:,.0f} tok/s"
@@ -257,10 +250,10 @@ def check_dspark(gpu: torch.device, shape: dict) -> list[Check]:
         d = copy.deepcopy(base).to(dev)
         e = copy.deepcopy(emb).to(dev)
         hw = head.to(dev)
-        w = to_device(wins[0], dev)
+        w = wins[0].to(dev)
         loss, _ = block_loss(d, e, hw, w, tc, anchors=32, confidence_w=0.1, generator=torch.Generator().manual_seed(7))
         loss.backward()
-        acc = block_acceptance(d, e, hw, [to_device(x, dev) for x in wins])
+        acc = block_acceptance(d, e, hw, [x.to(dev) for x in wins])
         vals.append((float(loss.detach()), acc["t0"]["tau"], acc["t1_prob"]["tau"]))
     a, b = vals
     c1 = Check("dspark block_loss (ce_l1 + confidence, fp32)")
@@ -349,7 +342,7 @@ def check_v3(gpu: torch.device, dry: bool, window: int, steps: int) -> list[Chec
                        frozen_dtype="bfloat16", gpu_memory=141 * 2**30)
     H, V = config["hidden_size"], config["vocab_size"]
     head = torch.randn(V, H, generator=g, device=gpu) * 0.02  # float32, as run.py reads the target's head
-    w = to_device(random_windows(1, window, V, H, seed=9)[0], gpu)
+    w = random_windows(1, window, V, H, seed=9)[0].to(gpu)
     w.loss_mask[:] = True  # every position an assistant token, as the plan assumes
     weights = L.position_weights(2, cfg.gamma)
     step = timed_steps(lambda: window_loss(d, head, w, cfg, weights)[0], [p for p in d.parameters() if p.requires_grad],
@@ -414,7 +407,7 @@ def torchrun_worker(out: Path, spec: str) -> None:
     cfg = train_cfg(k_steps=2)
     weights = L.position_weights(2, cfg.gamma).to(device)
     params = [p for p in d.parameters() if p.requires_grad]
-    loss, _ = window_loss(d, head, to_device(wins[rank], device), cfg, weights)
+    loss, _ = window_loss(d, head, wins[rank].to(device), cfg, weights)
     loss.backward()
     _all_reduce_grads(params, world)
     devices = [None] * world
@@ -423,7 +416,7 @@ def torchrun_worker(out: Path, spec: str) -> None:
         ref = mtp_drafter(DRY).to(device)
         rparams = [p for p in ref.parameters() if p.requires_grad]
         for w in wins:
-            lw, _ = window_loss(ref, head, to_device(w, device), cfg, weights)
+            lw, _ = window_loss(ref, head, w.to(device), cfg, weights)
             (lw / world).backward()
         diff = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30))
                    for a, b in zip(params, rparams) if b.grad is not None)
