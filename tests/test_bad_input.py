@@ -21,7 +21,7 @@ from drafter.core.config import load_config
 from drafter.core.errors import BadInputError, ConfigError, StageError, StoreError, is_permanent
 from drafter.core.pipeline import plan, run_stage
 from drafter.core.store import Store
-from flows.cli import app
+from drafter.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 # the verbs a message uses to say what to do
@@ -490,7 +490,7 @@ def test_ab_live_k_beyond_offline_k_max(tmp_path, ckpt):
 
 def _drafter(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", "from flows.cli import main; main()", *map(str, args)],
+    return subprocess.run([sys.executable, "-c", "from drafter.cli import main; main()", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
@@ -505,7 +505,7 @@ def test_subprocess_missing_user_file_one_line_on_stderr(tmp_path, ckpt):
 
 def test_subprocess_container_entrypoint_unknown_stage(tmp_path, ckpt):
     c = write_config(tmp_path, ckpt)
-    r = subprocess.run([sys.executable, "-m", "tasks", "captur", "--config", str(c)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "drafter", "stage", "captur", "--config", str(c)], capture_output=True, text=True,
                        cwd=REPO, timeout=300)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
@@ -535,7 +535,7 @@ def _chained(outer: Exception, cause: Exception) -> Exception:
 def test_retry_condition_retries_only_transient_errors():
     from drafter.evaluation.gate import GateRefused
     from drafter.serving.server import ServingError
-    from tasks import _retry_condition
+    from drafter_prefect.task import _retry_condition
 
     permanent = [ConfigError("c"), BadInputError("f:1"), StoreError("s"), GateRefused("g"), PermissionError("p"),
                  UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),

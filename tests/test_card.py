@@ -402,7 +402,7 @@ def test_a_forced_gate_without_live_evidence_renders_its_check(tmp_path):
     """No vLLM (ab_live skipped): the forced gate's one check has no value or threshold — shown as "—"."""
     from drafter.core.config import GateConfig
     from drafter.evaluation.gate import gate_without_live
-    from drafter.release.card import _gate
+    from drafter.release.card_sections import gate_section as _gate
 
     d = tmp_path / "gate"
     d.mkdir()

@@ -221,21 +221,13 @@ def _final_state(api: str, run_id: str, within: float = 120) -> str:
         time.sleep(1)
 
 
-@pytest.mark.timeout(2400)
-def test_a_child_killed_cancelled_or_timed_out_or_a_stopped_parent_end_the_release_naming_it_and_a_rerun_resumes(
-        server, docker_worker, engine, tiny_target, tmp_path):
-    """`train` in its container, on a folder store mounted into the containers, interrupted four ways;
-    each time the release fails naming the child flow run and its state and leaves the in-progress
-    output for the rerun, which resumes from the last checkpoint and leaves nothing partial:
-    the parent's runner.timeout_s passes (the parent cancels the child: its container is stopped); the
-    container is killed (`podman kill`: CRASHED); the child is cancelled from the API (`prefect flow-run
-    cancel`: CANCELLED); the parent `drafter release` gets SIGTERM (its child is cancelled too)."""
+def _train_release_on_a_mounted_folder_store(tiny_target: Path, tmp_path: Path, store_dir: Path):
+    """A release config whose `train` runs in a container on a folder store mounted into the containers,
+    with train's inputs already computed here: (its path, the store, the planned keys)."""
     from drafter.core.config import load_config
     from drafter.core.pipeline import open_store, plan, run_all
     from tests.test_release_e2e import write_config
 
-    api, env = server["api"], server["env"]
-    store_dir = tmp_path / "store"
     mount = str(tiny_target.parent)
     runner = {"kind": "containers", "timeout_s": 900, "poll_s": 1,
               "job_variables": {"volumes": [f"{mount}:{mount}:ro", f"{tmp_path}:{tmp_path}"]}}
@@ -245,89 +237,102 @@ def test_a_child_killed_cancelled_or_timed_out_or_a_stopped_parent_end_the_relea
     cfg = load_config(cfg_path)
     planned = {p.stage.name: p.key for p in plan(cfg, ["train"])}
     store = open_store(cfg)
-    partial = store.partial_dir("train", planned["train"])
-    latest = partial / "work" / "ckpt" / "latest.pt"
     # what train needs, computed here (runner: local — the same keys); only train runs in a container
     run_all(cfg.model_copy(update={"runner": cfg.runner.model_copy(update={"kind": "local"})}),
             only=["bootstrap_drafter"], echo=lambda *_: None)
+    return cfg_path, store, planned
 
-    def start(*extra: str) -> subprocess.Popen:
-        return subprocess.Popen([DRAFTER, "release", "-c", str(cfg_path), "--stage", "train", *extra], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    earlier: set[str] = set()  # the children of the earlier interruptions
+class _TrainInterruptions:
+    """Starts `drafter release --stage train` and interrupts its container's flow run, four ways; each
+    way returns the final state of the interrupted child flow run."""
 
-    def running_child(proc: subprocess.Popen) -> dict:
+    def __init__(self, api: str, env: dict, engine: dict, cfg_path: Path, latest: Path):
+        self.api, self.env, self.engine, self.cfg_path, self.latest = api, env, engine, cfg_path, latest
+        self.earlier: set[str] = set()  # the children of the earlier interruptions
+
+    def start(self, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([DRAFTER, "release", "-c", str(self.cfg_path), "--stage", "train", *extra], cwd=ROOT,
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def running_child(self, proc: subprocess.Popen) -> dict:
         """The train flow run once it is RUNNING and has written a checkpoint since it started."""
+        latest = self.latest
         before = latest.stat().st_mtime if latest.exists() else 0.0
         deadline = time.monotonic() + 600
         while True:
-            child = _child(api, "stage-train", ("RUNNING",), exclude=earlier)
+            child = _child(self.api, "stage-train", ("RUNNING",), exclude=self.earlier)
             if child and latest.exists() and latest.stat().st_mtime > before:
-                earlier.add(child["id"])
+                self.earlier.add(child["id"])
                 return child
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
             time.sleep(0.2)
 
-    def containers_of(run_id: str) -> list[str]:
+    def containers_of(self, run_id: str) -> list[str]:
         """The running containers of a flow run."""
-        return podman(engine, "ps", "-q", "--filter", f"label=io.prefect.flow-run-id={run_id}").split()
+        return podman(self.engine, "ps", "-q", "--filter", f"label=io.prefect.flow-run-id={run_id}").split()
 
-    def stopped(run_id: str, within: float = 60) -> bool:
+    def stopped(self, run_id: str, within: float = 60) -> bool:
         deadline = time.monotonic() + within
-        while containers_of(run_id):
+        while self.containers_of(run_id):
             if time.monotonic() > deadline:
                 return False
             time.sleep(1)
         return True
 
-    outcomes = {}
-    # 1. the parent's timeout: it cancels its child, whose container the worker stops
-    proc = start("--set", "runner.timeout_s=6")
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and "did not finish within runner.timeout_s=6 s" in out, out[-3000:]
-    (child_id,) = set(re.findall(r"flow run '[\w-]+' \(([0-9a-f-]{36})\) of deployment stage-train/docker did not finish",
-                                 out))
-    # the timeout may come while the worker still creates the container: one that starts after its run
-    # was cancelled must not train (it did once, and published train before the next release began)
-    earlier.add(child_id)
-    outcomes["timeout"] = _final_state(api, child_id)
-    assert stopped(child_id)  # nothing left running
+    def by_the_parents_timeout(self) -> str:
+        """1. the parent's timeout: it cancels its child, whose container the worker stops."""
+        proc = self.start("--set", "runner.timeout_s=6")
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and "did not finish within runner.timeout_s=6 s" in out, out[-3000:]
+        (child_id,) = set(re.findall(r"flow run '[\w-]+' \(([0-9a-f-]{36})\) of deployment stage-train/docker did not finish",
+                                     out))
+        # the timeout may come while the worker still creates the container: one that starts after its run
+        # was cancelled must not train (it did once, and published train before the next release began)
+        self.earlier.add(child_id)
+        outcome = _final_state(self.api, child_id)
+        assert self.stopped(child_id)  # nothing left running
+        return outcome
 
-    # 2. the container killed
-    proc = start()
-    child = running_child(proc)
-    (container,) = containers_of(child["id"])
-    podman(engine, "kill", container)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0 and child["id"] in out and "stage-train/docker" in out and "ended CRASHED" in out, out[-3000:]
-    outcomes["killed"] = _final_state(api, child["id"])
+    def by_killing_the_container(self) -> str:
+        """2. the container killed."""
+        proc = self.start()
+        child = self.running_child(proc)
+        (container,) = self.containers_of(child["id"])
+        podman(self.engine, "kill", container)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode != 0 and child["id"] in out and "stage-train/docker" in out and "ended CRASHED" in out, out[-3000:]
+        return _final_state(self.api, child["id"])
 
-    # 3. the child cancelled from the API (as from the UI)
-    proc = start()
-    child = running_child(proc)
-    r = subprocess.run([PREFECT, "flow-run", "cancel", child["id"]], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0 and child["id"] in out and "ended CANCELLED" in out, out[-3000:]
-    outcomes["cancelled"] = _final_state(api, child["id"])
-    assert stopped(child["id"])
+    def by_cancelling_the_child(self) -> str:
+        """3. the child cancelled from the API (as from the UI)."""
+        proc = self.start()
+        child = self.running_child(proc)
+        r = subprocess.run([PREFECT, "flow-run", "cancel", child["id"]], env=self.env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode != 0 and child["id"] in out and "ended CANCELLED" in out, out[-3000:]
+        outcome = _final_state(self.api, child["id"])
+        assert self.stopped(child["id"])
+        return outcome
 
-    # 4. the parent stopped: `drafter release` gets SIGTERM while its child runs
-    import signal
+    def by_stopping_the_parent(self) -> str:
+        """4. the parent stopped: `drafter release` gets SIGTERM while its child runs."""
+        import signal
 
-    proc = start()
-    child = running_child(proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out[-3000:]
-    outcomes["parent stopped"] = _final_state(api, child["id"])
-    assert stopped(child["id"])
-    assert outcomes == {"timeout": "CANCELLED", "killed": "CRASHED", "cancelled": "CANCELLED",
-                        "parent stopped": "CANCELLED"}, outcomes
-    assert not store.final_dir("train", planned["train"]).exists()  # nothing published by an interrupted child
-    assert latest.is_file()  # kept: the rerun resumes from it
+        proc = self.start()
+        child = self.running_child(proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out[-3000:]
+        outcome = _final_state(self.api, child["id"])
+        assert self.stopped(child["id"])
+        return outcome
 
+
+def _assert_the_rerun_resumes_and_leaves_nothing_partial(cfg_path: Path, env: dict, store, store_dir: Path,
+                                                          planned: dict) -> None:
     t0 = time.monotonic()
     r = subprocess.run([DRAFTER, "release", "-c", str(cfg_path), "--stage", "train"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
@@ -339,6 +344,31 @@ def test_a_child_killed_cancelled_or_timed_out_or_a_stopped_parent_end_the_relea
     for stage, key in planned.items():  # exactly the planned outputs
         outs = [p.name for p in (store_dir / stage).iterdir() if not p.name.endswith(".lock") and not p.name.startswith(".")]
         assert outs == [key], (stage, outs)
+
+
+@pytest.mark.timeout(2400)
+def test_a_child_killed_cancelled_or_timed_out_or_a_stopped_parent_end_the_release_naming_it_and_a_rerun_resumes(
+        server, docker_worker, engine, tiny_target, tmp_path):
+    """`train` in its container, on a folder store mounted into the containers, interrupted four ways;
+    each time the release fails naming the child flow run and its state and leaves the in-progress
+    output for the rerun, which resumes from the last checkpoint and leaves nothing partial:
+    the parent's runner.timeout_s passes (the parent cancels the child: its container is stopped); the
+    container is killed (`podman kill`: CRASHED); the child is cancelled from the API (`prefect flow-run
+    cancel`: CANCELLED); the parent `drafter release` gets SIGTERM (its child is cancelled too)."""
+    store_dir = tmp_path / "store"
+    cfg_path, store, planned = _train_release_on_a_mounted_folder_store(tiny_target, tmp_path, store_dir)
+    latest = store.partial_dir("train", planned["train"]) / "work" / "ckpt" / "latest.pt"
+    interrupt = _TrainInterruptions(server["api"], server["env"], engine, cfg_path, latest)
+    outcomes = {}
+    outcomes["timeout"] = interrupt.by_the_parents_timeout()
+    outcomes["killed"] = interrupt.by_killing_the_container()
+    outcomes["cancelled"] = interrupt.by_cancelling_the_child()
+    outcomes["parent stopped"] = interrupt.by_stopping_the_parent()
+    assert outcomes == {"timeout": "CANCELLED", "killed": "CRASHED", "cancelled": "CANCELLED",
+                        "parent stopped": "CANCELLED"}, outcomes
+    assert not store.final_dir("train", planned["train"]).exists()  # nothing published by an interrupted child
+    assert latest.is_file()  # kept: the rerun resumes from it
+    _assert_the_rerun_resumes_and_leaves_nothing_partial(cfg_path, server["env"], store, store_dir, planned)
 
 
 def test_the_docker_pool_turns_a_gpu_stage_into_a_container_request_with_device_requests(server, engine, tmp_path):

@@ -126,7 +126,7 @@ mode, store = sys.argv[1], sys.argv[2]
 toy = {"a": Stage("a", "1", (), (), ok), "g": Stage("g", "1", ("a",), (), refuse if mode == "refuse" else broken)}
 r.ORDER = tuple(toy)
 r.get = lambda n: toy[n]
-from flows.release import release
+from drafter_prefect.release import release
 try:
     release(config=ReleaseConfig(name=f"notify-{mode}", store={"root": store}, retries=0))
 except Exception as e:
@@ -289,6 +289,130 @@ def test_nightly_run_scheduled_now_retrains_on_new_traffic_only(server, tiny_tar
     assert summaries() == 1
 
 
+def _nightly_champion_config(tiny_target: Path, store: Path, hub_url: str) -> dict:
+    """The tiny release config the nightly retrains of the champion test run, publishing to ``hub_url``."""
+    return {"name": "tiny-champion", "store": {"root": str(store)},
+            "prepare_target": {"source": "path", "path": str(tiny_target)},
+            "serving": {"backend": "transformers", "dtype": "float32"},
+            "generate": {"num_prompts": 32, "max_tokens": 48, "shard_size": 8, "concurrency": 2},
+            "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
+            "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 40, "lr": 0.01, "warmup_steps": 1,
+                      "eval_windows": 8, "eval_every": 40},
+            "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
+            "ab_live": {"num_speculative_tokens": 2},
+            # no vLLM in this test (transformers backend): without live evidence the offline comparison decides
+            "gate": {"force": True},
+            "publish": {"repo_id": "org/tiny-champion", "dry_run": False, "endpoint": hub_url, "tag": None,
+                        "retries": 1, "retry_backoff_s": 0.1},
+            "retrain": {"min_new_rows": 3}, "retries": 0}
+
+
+class _NightlyRetrains:
+    """retrain/nightly runs of the tiny config, scheduled now and executed by a process worker, publishing
+    to a local Hub; and what they leave: the Hub's commits, the store's retrain decisions."""
+
+    def __init__(self, api: str, env: dict, nightly: dict, tmp_path: Path, traffic: Path, store: Path, hub,
+                 token: str, tiny_target: Path):
+        from huggingface_hub import HfApi
+
+        self.api, self.env, self.nightly, self.tmp_path = api, env, nightly, tmp_path
+        self.traffic, self.store, self.hub = traffic, store, hub
+        self.hub_api = HfApi(endpoint=hub.url, token=token)
+        self.cfg = _nightly_champion_config(tiny_target, store, hub.url)
+
+    def day(self, n: int) -> None:
+        rows = [{"messages": [{"role": "user", "content": f"Day {n}: tell me about the number {i}."}]} for i in range(4)]
+        (self.traffic / f"day{n}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run_scheduled_now(self, overrides: list[str]) -> tuple[dict, dict]:
+        from datetime import datetime, timezone
+
+        api, tmp_path = self.api, self.tmp_path
+        now = datetime.now(timezone.utc).isoformat()
+        r = prefect_api.post(api + f"/deployments/{self.nightly['id']}/create_flow_run", timeout=30, json={
+            "parameters": {"config": self.cfg, "traffic": [str(self.traffic / "*.jsonl")], "overrides": overrides},
+            "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
+        assert r.status_code == 201, r.text
+        run_worker_once(self.env, tmp_path)
+        fr = prefect_api.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
+        assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
+        (art,) = prefect_api.post(api + "/artifacts/filter", timeout=30, json={
+            "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
+        return fr, art
+
+    def commits(self) -> list[str]:
+        return [c.commit_id for c in self.hub_api.list_repo_commits("org/tiny-champion")] \
+            if self.hub.state.repos.get("org/tiny-champion") else []
+
+    def decisions(self) -> list[dict]:
+        p = self.store / "records" / "retrain-decisions.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
+
+
+def _the_first_candidate_is_published(runs: _NightlyRetrains) -> list[str]:
+    """1. no release yet: the first candidate is published; the Hub's commits after it."""
+    t0 = time.monotonic()
+    runs.day(1)
+    _, art = runs.run_scheduled_now(["train.max_steps=1"])
+    assert "first release" in art["data"], art["data"]
+    first = runs.commits()
+    assert len(first) == 2, first  # the repo's initial commit + the release
+    print(f"\nretrain 1 (first release): {time.monotonic() - t0:.0f} s")
+    return first
+
+
+def _a_better_fine_tune_replaces_the_champion(runs: _NightlyRetrains, first: list[str]) -> list[str]:
+    """2. a real fine-tune from the champion beats it → published, its card naming the champion it beat;
+    the Hub's commits after it."""
+    t0 = time.monotonic()
+    runs.day(2)
+    _, art = runs.run_scheduled_now([])
+    (d2,) = runs.decisions()
+    assert d2["decision"] == "champion replaced", d2
+    assert d2["candidate"]["tau_offline"] > d2["champion"]["tau_offline"], d2
+    assert "# Retrain tiny-champion: champion replaced" in art["data"]
+    second = runs.commits()
+    assert len(second) == 3 and second[1:] == first, (second, first)
+    card = runs.hub_api.hf_hub_download("org/tiny-champion", "README.md", revision=second[0],
+                                        cache_dir=str(runs.tmp_path / "dl"))
+    assert f"champion {d2['champion']['release_id']}" in Path(card).read_text()
+    print(f"retrain 2 (champion replaced): {time.monotonic() - t0:.0f} s; offline τ "
+          f"{d2['champion']['tau_offline']:.3f} → {d2['candidate']['tau_offline']:.3f}")
+    return second
+
+
+def _a_regression_keeps_the_champion(runs: _NightlyRetrains, second: list[str]) -> dict:
+    """3. a 1-step candidate from the released drafter loses: the Hub head does not move, the decision
+    with both sets of numbers is in the store's record and the artifact; that decision."""
+    t0 = time.monotonic()
+    runs.day(3)
+    fr, art = runs.run_scheduled_now(["retrain.start_from=released", "train.max_steps=1"])
+    d3 = runs.decisions()[-1]
+    assert d3["decision"] == "champion kept" and d3["winner"] == "champion", d3
+    assert d3["candidate"]["tau_offline"] <= d3["champion"]["tau_offline"], d3
+    assert runs.commits() == second, "a candidate that lost must not be published"
+    assert "# Retrain tiny-champion: champion kept" in art["data"]
+    assert f"| champion `{d3['champion']['release_id']}` |" in art["data"] and "| candidate |" in art["data"]
+    print(f"retrain 3 (champion kept): {time.monotonic() - t0:.0f} s; offline τ champion "
+          f"{d3['champion']['tau_offline']:.3f}, candidate {d3['candidate']['tau_offline']:.3f}")
+    return d3
+
+
+def _assert_one_champion_kept_event(api: str, d3: dict) -> None:
+    """The server has exactly one `drafter.release.champion-kept` event, carrying decision ``d3``."""
+    deadline = time.monotonic() + 120  # the server stores events in batches: on busy cores a few seconds late
+    while True:
+        events = prefect_api.post(api + "/events/filter", timeout=30, json={
+            "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
+        if events or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert len(events) == 1, events
+    payload = events[0]["payload"]
+    assert payload["champion"]["release_id"] == d3["champion"]["release_id"]
+    assert payload["candidate"]["tau_offline"] == d3["candidate"]["tau_offline"] and payload["reasons"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(server, tiny_target, tmp_path):
@@ -299,10 +423,6 @@ def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(serv
     3. new traffic, a candidate from the released drafter with 1 step (a regression): champion kept —
        the Hub head does not move, the decision with both sets of numbers is in the store's record, the
        artifact and a `drafter.release.champion-kept` event."""
-    from datetime import datetime, timezone
-
-    from huggingface_hub import HfApi
-
     from tests.hub_server import HubState, hub_client_settings, running_hub
 
     api = server["api"]
@@ -313,93 +433,12 @@ def test_nightly_retrain_publishes_only_a_candidate_that_beats_the_champion(serv
     traffic.mkdir()
     store = tmp_path / "store"
 
-    def day(n: int) -> None:
-        rows = [{"messages": [{"role": "user", "content": f"Day {n}: tell me about the number {i}."}]} for i in range(4)]
-        (traffic / f"day{n}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
     with hub_client_settings(), running_hub(HubState(token=token, read_token=None)) as hub:
-        hub_api = HfApi(endpoint=hub.url, token=token)
-        cfg = {"name": "tiny-champion", "store": {"root": str(store)},
-               "prepare_target": {"source": "path", "path": str(tiny_target)},
-               "serving": {"backend": "transformers", "dtype": "float32"},
-               "generate": {"num_prompts": 32, "max_tokens": 48, "shard_size": 8, "concurrency": 2},
-               "capture": {"shard_tokens": 256, "batch_tokens": 256, "layers": [0]},
-               "train": {"k_steps": 2, "window": 32, "micro_batch": 1, "max_steps": 40, "lr": 0.01, "warmup_steps": 1,
-                         "eval_windows": 8, "eval_every": 40},
-               "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
-               "ab_live": {"num_speculative_tokens": 2},
-               # no vLLM in this test (transformers backend): without live evidence the offline comparison decides
-               "gate": {"force": True},
-               "publish": {"repo_id": "org/tiny-champion", "dry_run": False, "endpoint": hub.url, "tag": None,
-                           "retries": 1, "retry_backoff_s": 0.1},
-               "retrain": {"min_new_rows": 3}, "retries": 0}
-
-        def run_scheduled_now(overrides: list[str]) -> tuple[dict, dict]:
-            now = datetime.now(timezone.utc).isoformat()
-            r = prefect_api.post(api + f"/deployments/{nightly['id']}/create_flow_run", timeout=30, json={
-                "parameters": {"config": cfg, "traffic": [str(traffic / "*.jsonl")], "overrides": overrides},
-                "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": now}}})
-            assert r.status_code == 201, r.text
-            run_worker_once(env, tmp_path)
-            fr = prefect_api.get(api + f"/flow_runs/{r.json()['id']}", timeout=30).json()
-            assert fr["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
-            (art,) = prefect_api.post(api + "/artifacts/filter", timeout=30, json={
-                "artifacts": {"flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["retrain-decision"]}}}).json()
-            return fr, art
-
-        def commits() -> list[str]:
-            return [c.commit_id for c in hub_api.list_repo_commits("org/tiny-champion")] \
-                if hub.state.repos.get("org/tiny-champion") else []
-
-        def decisions() -> list[dict]:
-            p = store / "records" / "retrain-decisions.jsonl"
-            return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
-
-        t0 = time.monotonic()
-        day(1)
-        _, art = run_scheduled_now(["train.max_steps=1"])
-        assert "first release" in art["data"], art["data"]
-        first = commits()
-        assert len(first) == 2, first  # the repo's initial commit + the release
-        print(f"\nretrain 1 (first release): {time.monotonic() - t0:.0f} s")
-
-        t0 = time.monotonic()
-        day(2)
-        _, art = run_scheduled_now([])
-        (d2,) = decisions()
-        assert d2["decision"] == "champion replaced", d2
-        assert d2["candidate"]["tau_offline"] > d2["champion"]["tau_offline"], d2
-        assert "# Retrain tiny-champion: champion replaced" in art["data"]
-        second = commits()
-        assert len(second) == 3 and second[1:] == first, (second, first)
-        card = hub_api.hf_hub_download("org/tiny-champion", "README.md", revision=second[0],
-                                              cache_dir=str(tmp_path / "dl"))
-        assert f"champion {d2['champion']['release_id']}" in Path(card).read_text()
-        print(f"retrain 2 (champion replaced): {time.monotonic() - t0:.0f} s; offline τ "
-              f"{d2['champion']['tau_offline']:.3f} → {d2['candidate']['tau_offline']:.3f}")
-
-        t0 = time.monotonic()
-        day(3)
-        fr, art = run_scheduled_now(["retrain.start_from=released", "train.max_steps=1"])
-        d3 = decisions()[-1]
-        assert d3["decision"] == "champion kept" and d3["winner"] == "champion", d3
-        assert d3["candidate"]["tau_offline"] <= d3["champion"]["tau_offline"], d3
-        assert commits() == second, "a candidate that lost must not be published"
-        assert "# Retrain tiny-champion: champion kept" in art["data"]
-        assert f"| champion `{d3['champion']['release_id']}` |" in art["data"] and "| candidate |" in art["data"]
-        print(f"retrain 3 (champion kept): {time.monotonic() - t0:.0f} s; offline τ champion "
-              f"{d3['champion']['tau_offline']:.3f}, candidate {d3['candidate']['tau_offline']:.3f}")
-        deadline = time.monotonic() + 120  # the server stores events in batches: on busy cores a few seconds late
-        while True:
-            events = prefect_api.post(api + "/events/filter", timeout=30, json={
-                "filter": {"event": {"name": ["drafter.release.champion-kept"]}}}).json()["events"]
-            if events or time.monotonic() > deadline:
-                break
-            time.sleep(2)
-        assert len(events) == 1, events
-        payload = events[0]["payload"]
-        assert payload["champion"]["release_id"] == d3["champion"]["release_id"]
-        assert payload["candidate"]["tau_offline"] == d3["candidate"]["tau_offline"] and payload["reasons"]
+        runs = _NightlyRetrains(api, env, nightly, tmp_path, traffic, store, hub, token, tiny_target)
+        first = _the_first_candidate_is_published(runs)
+        second = _a_better_fine_tune_replaces_the_champion(runs, first)
+        d3 = _a_regression_keeps_the_champion(runs, second)
+        _assert_one_champion_kept_event(api, d3)
         assert len(list((traffic).glob("*.jsonl"))) == 3
         assert len((store / "records" / "traffic-seen.txt").read_text().split()) == 12
 

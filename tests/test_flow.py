@@ -11,7 +11,7 @@ from tests.test_store import CALLS, FAIL_ONCE, toy  # noqa: F401 — the toy-sta
 
 def test_release_flow_runs_then_reuses(prefect_harness, toy):
     from prefect.client.orchestration import get_client
-    from flows.release import release
+    from drafter_prefect.release import release
 
     s1 = release(config=toy)
     assert [r["status"] for r in s1["stages"]] == ["computed", "computed", "skipped"]
@@ -31,7 +31,7 @@ def test_release_flow_runs_then_reuses(prefect_harness, toy):
 
 def test_release_flow_retries_transient_failure(prefect_harness, toy):
     """A stage that dies mid-way is retried by Prefect and resumes from its partial output."""
-    from flows.release import release
+    from drafter_prefect.release import release
 
     toy.retries = 1
     toy.retry_delay_s = 0
@@ -42,7 +42,7 @@ def test_release_flow_retries_transient_failure(prefect_harness, toy):
 
 
 def test_release_flow_failure_is_summarized(prefect_harness, toy):
-    from flows.release import release
+    from drafter_prefect.release import release
     from drafter.core.pipeline import open_store
 
     FAIL_ONCE["on"] = True
@@ -53,7 +53,7 @@ def test_release_flow_failure_is_summarized(prefect_harness, toy):
 
 
 def test_cli_stage_plan_runs_json(toy, tmp_path):
-    from flows.cli import app
+    from drafter.cli import app
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(f"store: {{root: {toy.store.root}}}\n")
@@ -135,7 +135,7 @@ def test_release_flow_against_prefect_server(toy, tmp_path):
         script = (
             "import sys; from drafter.core import registry as r; from tests.test_store import TOY\n"
             "r.ORDER = tuple(TOY); r.get = lambda n: TOY[n]\n"
-            "from drafter.core.config import ReleaseConfig; from flows.release import release\n"
+            "from drafter.core.config import ReleaseConfig; from drafter_prefect.release import release\n"
             f"s = release(config=ReleaseConfig(store={{'root': {str(tmp_path / 'st')!r}}}, retries=0))\n"
             "print('STATUS', ','.join(x['status'] for x in s['stages']))\n"
         )
@@ -152,7 +152,7 @@ def test_release_flow_against_prefect_server(toy, tmp_path):
 
 def test_resolve_config_the_form_wins_over_a_default_path_and_overrides_apply_to_both(tmp_path):
     from drafter.core.config import ReleaseConfig
-    from flows.release import resolve_config
+    from drafter_prefect.release import resolve_config
 
     p = tmp_path / "c.yaml"
     p.write_text("name: from-file\n")
@@ -185,7 +185,7 @@ def test_a_stage_flow_cancelled_while_pending_does_not_run_when_its_container_st
     seconds later and, as the server lets CANCELLED go to RUNNING, trained and published the stage."""
     from prefect import flow
     from prefect.states import Cancelled, Cancelling, Pending, Scheduled
-    from flows.stages import STAGE_FLOWS, cancelled_before_start
+    from drafter_prefect.stages import STAGE_FLOWS, cancelled_before_start
 
     why = "runner.timeout_s=6 s passed"
     state = _run_after(STAGE_FLOWS["train"], Pending(), Cancelled(message=why))
@@ -206,13 +206,13 @@ def test_a_stage_flow_cancelled_while_pending_does_not_run_when_its_container_st
 
 
 def test_cancelling_a_child_that_starts_meanwhile_still_stops_it(prefect_harness, monkeypatch):
-    """flows.containers._cancel: a run no worker started is set Cancelled; a running one Cancelling
+    """drafter_prefect.containers._cancel: a run no worker started is set Cancelled; a running one Cancelling
     (its worker stops the container); a run read as PENDING that went RUNNING before the Cancelled
     landed (its engine would run on under that state) is sent Cancelling after all."""
     from prefect import flow
     from prefect.client.orchestration import SyncPrefectClient, get_client
     from prefect.states import Pending, Running
-    from flows.containers import _cancel
+    from drafter_prefect.containers import _cancel
 
     @flow
     def child():

@@ -18,7 +18,7 @@ from drafter.core.config import load_config
 from tests.test_bad_input import DIRECTIVE, _fake_output, ckpt, leftovers, write_config  # noqa: F401 — ckpt: fixture
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = "from flows.cli import main; main()"
+CLI = "from drafter.cli import main; main()"
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def refuse(path):  # what a stage does when the user's input is wrong (the check
     raise BadInputError(f"prepare_target.path: {path} holds no weights the stage can read; point it at the checkpoint")
 
 stage.resolve_path_target = refuse
-from flows.cli import main; main()
+from drafter.cli import main; main()
 """
 
 
@@ -138,13 +138,20 @@ def test_bad_input_raised_by_a_stage_exits_2_with_one_line(tmp_path, ckpt, prefe
 # ------------------------------------------------------------------------------------- a corrupt store file
 
 
-def test_tampered_store_output_found_in_the_flow_is_one_line(tmp_path, ckpt, prefect_home):
-    """An output whose file has the right size but not its sha256 (preflight checks sizes only; reuse checks
-    the sha256 inside the flow): exit 1 (an inconsistent store), one line naming the file, no traceback."""
+def test_tampered_store_output_is_found_before_the_flow_in_one_line(tmp_path, ckpt, prefect_home):
+    """An output whose file has the right size but not its sha256: preflight verifies the outputs it finds
+    (once per process: the flow does not hash them again), so the run stops before the flow starts — exit 1 (an
+    inconsistent store), one line naming the file and what to do, no traceback."""
     c = write_config(tmp_path, ckpt)
     d = _fake_output(tmp_path / "store", load_config(c), "prepare_target", {"target.json": b"{}"})
     r = drafter("-c", c, "--stage", "prepare_target", cwd=tmp_path, prefect_home=prefect_home)
-    one_error_line(r, 1, "target.json", "sha256", str(d))
+    terminal = r.stdout + r.stderr
+    assert r.returncode == 1, terminal[-4000:]
+    assert "Traceback" not in terminal and "Beginning flow run" not in terminal, terminal[-4000:]
+    errors = [ln for ln in terminal.splitlines() if ln.startswith("error:")]
+    assert errors == [r.stderr.rstrip().splitlines()[-1]], terminal[-4000:]
+    for needle in ("target.json", "sha256", f"remove {d} to recompute it"):
+        assert needle in errors[0]
 
 
 # ------------------------------------------------------------------------------------- runner: containers

@@ -90,7 +90,7 @@ def test_parse_size():
 ])
 def test_drafter_plan_prints_stages_and_memory_offline(config, expect, tmp_path, monkeypatch):
     """Without weights, without network: the stage plan (a local --store) and the memory plan."""
-    from flows.cli import app
+    from drafter.cli import app
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -103,7 +103,7 @@ def test_drafter_plan_prints_stages_and_memory_offline(config, expect, tmp_path,
 
 
 def test_drafter_plan_bad_gpu_memory(tmp_path):
-    from flows.cli import app
+    from drafter.cli import app
 
     r = CliRunner().invoke(app, ["plan", "-c", str(V3), "--store", str(tmp_path), "--gpu-memory", "lots"])
     assert r.exit_code == 2 and "--gpu-memory" in r.output

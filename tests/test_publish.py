@@ -97,7 +97,7 @@ def test_publish_through_the_flow_sends_once_and_leaks_the_token_nowhere(prefect
                                                                         monkeypatch, capfd):
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_HOME
 
-    from flows.cli import app
+    from drafter.cli import app
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     cfg = with_publish(finished_store["cfg"], dry_run=False, repo_id=REPO, endpoint=hub.url, retries=2,
@@ -176,7 +176,7 @@ def test_publish_reads_the_token_from_a_prefect_secret_block_and_opens_one_pr(pr
     publish.token_block; PR mode: refs/pr/1 holds the release, main keeps only the Hub's initial commit."""
     from prefect.blocks.system import Secret
 
-    from flows.release import release
+    from drafter_prefect.release import release
 
     block_token = "hf_BLOCK_token_for_pr_mode_7e1a"
     Secret(value=block_token).save("hub-token-test", overwrite=True)
@@ -207,7 +207,7 @@ def test_cli_publish_output_says_the_pr_mode_tag_waits_for_the_merge(tmp_path, c
     refs/pr/N and the exact command that tags the merge commit once the PR is merged (one line)."""
     from drafter.core.config import PublishConfig
     from drafter.release.hub import make_plan, tag_command, tag_note
-    from flows.cli import _print_publish
+    from drafter.cli.render import print_publish as _print_publish
 
     out = tmp_path / "publish" / "k"
     (out / "release").mkdir(parents=True)

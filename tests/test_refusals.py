@@ -28,7 +28,7 @@ class _State:
     ResourceError("not enough disk"),
 ])
 def test_full_or_read_only_disk_is_permanent(exc):
-    from tasks import _retry_condition
+    from drafter_prefect.task import _retry_condition
 
     assert is_permanent(exc) and _retry_condition(None, None, _State(exc)) is False
 
@@ -39,7 +39,7 @@ def test_not_enough_disk_is_refused_once_and_leaves_nothing(tmp_path, monkeypatc
     `.partial` before."""
     import shutil
 
-    from tasks import _retry_condition
+    from drafter_prefect.task import _retry_condition
 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
     store = Store(tmp_path / "store")

@@ -1,7 +1,7 @@
 """The scheduled retrain never persists a secret of its traffic (issue 33, class 1).
 
 Traffic files carrying secrets of every built-in kind (tests/test_secrets.py's planted needles) go
-through `flows/retrain.py`: the snapshot it trains on, the ledger, every other file of the store, the
+through `drafter_prefect/retrain.py`: the snapshot it trains on, the ledger, every other file of the store, the
 run's output and Prefect's database hold none of them; the ledger's hashes are of the scrubbed
 conversations; the same raw traffic gives the same snapshot file. A malformed traffic file stops the
 run naming its file:line and what to do, without quoting the row or writing anything.
@@ -120,7 +120,7 @@ def _config(tmp_path: Path, tiny_target: Path, store: Path) -> Path:
 
 
 def test_retrain_leaves_no_secret_of_its_traffic_anywhere(prefect_harness, tmp_path, tiny_target, capfd, caplog):
-    from flows.retrain import retrain
+    from drafter_prefect.retrain import retrain
 
     day = write_day(tmp_path / "traffic")
     store = tmp_path / "store"

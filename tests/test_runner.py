@@ -37,7 +37,7 @@ def test_the_runner_setting_its_shorthand_and_its_checks():
 
 
 def test_each_stage_goes_to_its_deployment_with_a_local_runner_and_only_env_references():
-    from flows.containers import child_config, deployment_for
+    from drafter_prefect.containers import child_config, deployment_for
 
     cfg = config_from_dict({"runner": {"kind": "containers", "deployments": {"train": "stage-train/docker-gpu"}},
                             "serving": {"env": {"HF_TOKEN": "${HF_TOKEN}"}}})

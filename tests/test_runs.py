@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from drafter.core.store import Store, run_summary_problem
-from flows.cli import app
+from drafter.cli import app
 
 
 def summary(run_id: str, started: str = "2026-01-01T00:00:00") -> dict:

@@ -152,8 +152,8 @@ def decoded_token_ids(store: Path, tokenizer) -> str:
 def test_release_flow_and_failures_leave_no_secret_anywhere(prefect_harness, tmp_path, tiny_target, capfd, caplog):
     from transformers import AutoTokenizer
 
-    from flows.cli import app
-    from flows.release import release
+    from drafter.cli import app
+    from drafter_prefect.release import release
 
     traffic = write_traffic(tmp_path / "traffic.jsonl")
     store = tmp_path / "store"

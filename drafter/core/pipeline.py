@@ -1,4 +1,4 @@
-"""Planning and running stages against the store (no Prefect here; `flows/` wraps this).
+"""Planning and running stages against the store (no Prefect here; :mod:`drafter_prefect` wraps this).
 
 Every stage key is computable from the config alone (key = hash(stage, version, its config
 sections, the keys of its inputs)), so the whole plan is known before anything runs.
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from drafter.core import registry
 from drafter.core.config import ReleaseConfig
@@ -160,23 +160,48 @@ def summarize(cfg: ReleaseConfig, run_id: str, started_at: str, results: list[St
     }
 
 
-def run_all(cfg: ReleaseConfig, only: list[str] | None = None, echo=print) -> dict[str, Any]:
-    """Run the plan in-process without Prefect (the flow in `flows/release.py` is the usual way)."""
-    store = open_store(cfg)
+Runner = Callable[[PlannedStage], StageResult]
+
+
+@dataclass
+class RunOutcome:
+    """A run of a plan: its summary (written to the store's ``runs/``) and, when a stage failed, which and why."""
+
+    summary: dict[str, Any]
+    failed: tuple[str, BaseException] | None = None
+
+
+def run_plan(cfg: ReleaseConfig, planned: list[PlannedStage], store: Store, runner: Runner,
+             echo: Callable[[str], Any] = lambda _line: None) -> RunOutcome:
+    """The pipeline's one sequence: each planned stage through ``runner`` (in this process, a Prefect task, a
+    container), in order; the first failure ends the run. The summary is written to the store either way
+    (``summary["summary_path"]``); the failure is returned, not raised: the caller decides what it becomes."""
     run_id, started = new_run_id(), datetime.now(timezone.utc).isoformat()
     results: list[StageResult] = []
-    try:
-        for p in plan(cfg, only):
-            r = run_stage(cfg, p.stage.name, store)
-            echo(r.line())
-            results.append(r)
-    except Exception as e:
-        summary = summarize(cfg, run_id, started, results, "failed", f"{type(e).__name__}: {e}")
-        store.write_run(run_id, summary)
-        raise
-    summary = summarize(cfg, run_id, started, results, "completed")
-    store.write_run(run_id, summary)
-    return summary
+    failed: tuple[str, BaseException] | None = None
+    for p in planned:
+        try:
+            r = runner(p)
+        except Exception as e:  # noqa: BLE001 — recorded in the summary; the caller re-raises
+            results.append(StageResult(p.stage.name, p.key, "failed", store.location(p.stage.name, p.key), reason=str(e)))
+            failed = (p.stage.name, e)
+            break
+        echo(r.line())
+        results.append(r)
+    error = f"{failed[0]}: {type(failed[1]).__name__}: {failed[1]}" if failed else None
+    summary = summarize(cfg, run_id, started, results, "failed" if failed else "completed", error)
+    summary["summary_path"] = store.write_run(run_id, summary)
+    return RunOutcome(summary, failed)
+
+
+def run_all(cfg: ReleaseConfig, only: list[str] | None = None, echo=print) -> dict[str, Any]:
+    """Run the plan in this process without Prefect (the release flow, :mod:`drafter_prefect.release`, runs the
+    same sequence with its tasks as the runner); raises the failed stage's error."""
+    store = open_store(cfg)
+    outcome = run_plan(cfg, plan(cfg, only), store, lambda p: run_stage(cfg, p.stage.name, store), echo)
+    if outcome.failed:
+        raise outcome.failed[1]
+    return outcome.summary
 
 
 def format_table(summary: dict[str, Any]) -> str:

@@ -100,7 +100,7 @@ def check_not_trained_on(heldout: list[Conversation], prompts: list[Conversation
 def heldout_rows(convs: list[Conversation], scrubber: "Scrubber") -> list[dict]:
     """The held-out conversations as conversation rows (``id``, ``split: heldout``, ``domain``, ``mode``,
     ``messages`` with the answers), scrubbed with ``scrubber`` first: the rows `eval_offline` captures and
-    `ab_live` replays (:func:`drafter.evaluation.ab_live.replay_turns`)."""
+    `ab_live` replays (:func:`drafter.data.replay.replay_turns`)."""
     from drafter.data.scrub import scrub_conversations
 
     convs, _, _ = scrub_conversations(convs, scrubber)
@@ -128,10 +128,10 @@ def check_replay_lengths(convs: list[Conversation], tokenizer, *, num_turns: int
     """Raise :class:`BadInputError` when a turn `ab_live` replays from the (scrubbed) held-out ``convs``
     cannot fit the served context: its prompt — every message before the turn, the file's own earlier answers
     included, rendered with the target's chat template — longer than ``max_model_len − max_tokens`` tokens
-    (vLLM refuses such a request). The turns are those :func:`drafter.evaluation.ab_live.replay_turns` picks.
+    (vLLM refuses such a request). The turns are those :func:`drafter.data.replay.replay_turns` picks.
     The message names the file:line, the turn, its length and the limit. Returns the longest prompt, in tokens."""
     from drafter.data.generate import prompt_token_limit
-    from drafter.evaluation.ab_live import replay_turns
+    from drafter.data.replay import replay_turns
 
     limit = prompt_token_limit(max_model_len, max_tokens)
     if not convs:

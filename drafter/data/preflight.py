@@ -35,7 +35,9 @@ line naming the file:line, key or value at fault and what to do.
 7. the store: root creatable and writable, no file where a stage's directory should be; a remote
    store answers one request with short timeouts and no retries (:meth:`~drafter.core.store.Store.check_access`:
    no credentials, credentials refused, no such bucket, endpoint unreachable — one line naming the store);
-   outputs already in the store are readable (manifest parses, file sizes match);
+   outputs already in the store are intact (manifest, sizes and sha256: verified once per process —
+   the flow and the stages reuse that, :func:`drafter.core.store.verify_once`); ``drafter stage NAME`` checks
+   only NAME's output and its inputs;
 8. serving, for stages still to run that start an engine: the serving python exists, is
    executable and has vLLM (``launcher: subprocess``), ``docker`` is on PATH (``launcher:
    docker``); ``ab_live`` cannot use ``launcher: url``;
@@ -59,6 +61,7 @@ line naming the file:line, key or value at fault and what to do.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -79,8 +82,16 @@ NEEDS_HELDOUT = ("bootstrap_drafter", "train", "eval_offline", "ab_live")
 HELDOUT_FILE_READERS = ("eval_offline", "ab_live")
 
 
+def config_digest(cfg: ReleaseConfig) -> str:
+    """A digest of the whole config (secrets as pydantic prints them): which config a report checked."""
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+
+
 @dataclass
 class PreflightReport:
+    """What :func:`preflight` checked and found. The release flow accepts it instead of checking again
+    (:meth:`covers`): ``drafter release`` checks before it starts the flow, and passes its report."""
+
     stages: list[str]  # every needed stage, in pipeline order
     todo: list[str]  # the needed stages whose output is not in the store yet
     prompts: int = 0
@@ -91,6 +102,13 @@ class PreflightReport:
     # (drafter.data.heldout.count_truncated: conversations, truncated, unmeasured, longest, longest_origin, max_seq_len)
     heldout_truncation: dict | None = None
     notes: list[str] = field(default_factory=list)  # what was not checked yet, or will be cut (also logged)
+    config: str = ""  # config_digest of the config checked
+    requested: list[str] | None = None  # the `stages` asked for (None: the config's, else all)
+    complete: bool = False  # every check of a run ran (not `drafter plan`'s or `drafter stage`'s subset)
+
+    def covers(self, cfg: ReleaseConfig, stages: list[str] | None) -> bool:
+        """True when this report checked a run of ``stages`` with exactly this config."""
+        return self.complete and self.config == config_digest(cfg) and self.requested == stages
 
 
 def needed_stages(cfg: ReleaseConfig, stages: list[str] | None = None, *, source: str = "--stage") -> list[str]:
@@ -126,11 +144,11 @@ def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_sou
     convs = _read_prompts(cfg)
     heldout = _check_heldout_files(cfg, convs, needed)
     _check_store_root(cfg, needed)
-    todo, target_art = _outputs_todo(cfg, stages, needed, check_outputs)
-    if single and stages:
-        todo = [t for t in todo if t == stages[0]]
+    todo, target_art = _outputs_todo(cfg, stages, needed, check_outputs, single)
     report = PreflightReport(stages=needed, todo=todo, prompts=len(convs),
-                             heldout=sum(c.split == "heldout" for c in convs))
+                             heldout=sum(c.split == "heldout" for c in convs), config=config_digest(cfg),
+                             requested=list(stages) if stages is not None else None,
+                             complete=check_outputs and check_lengths and not single)
     if "prepare_target" in todo and cfg.prepare_target.source == "embedded":
         from drafter.core.errors import StageError
         from drafter.models.target import find_embedded_gguf
@@ -341,15 +359,20 @@ def _check_store_root(cfg: ReleaseConfig, needed: list[str]) -> None:
             raise ConfigError(f"store: {p} is a file where the {name!r} directory should be; move or remove it")
 
 
-def _outputs_todo(cfg: ReleaseConfig, stages: list[str] | None, needed: list[str], check: bool):
-    """(needed stages not in the store yet, the prepare_target output if present). The outputs that
-    are present are checked cheaply (manifest, file sizes); reuse verifies the sha256 later."""
+def _outputs_todo(cfg: ReleaseConfig, stages: list[str] | None, needed: list[str], check: bool, single: bool = False):
+    """(needed stages not in the store yet, the prepare_target output if present). The outputs that are
+    present are verified (manifest, sizes, sha256) once for this process: the flow's presence check and the
+    stage's reuse check do not hash them again. ``single``: only ``stages[0]`` and its inputs."""
     from drafter.core.pipeline import plan
     from drafter.core.store import Store
 
-    store = Store(cfg.store.root, cfg.store.cache_dir, verify="size")
+    store = Store(cfg.store.root, cfg.store.cache_dir)
+    planned = plan(cfg, stages)
+    if single and stages:
+        own = next(p for p in planned if p.stage.name == stages[0])
+        planned = [p for p in planned if p is own or p.stage.name in own.input_keys or p.stage.name == "prepare_target"]
     todo, target = [], None
-    for p in plan(cfg, stages):
+    for p in planned:
         try:
             art = store.find(p.stage.name, p.key)
         except StoreError:
@@ -360,6 +383,8 @@ def _outputs_todo(cfg: ReleaseConfig, stages: list[str] | None, needed: list[str
             todo.append(p.stage.name)
         elif p.stage.name == "prepare_target":
             target = art
+    if single and stages:
+        todo = [t for t in todo if t == stages[0]]
     return todo, target
 
 

@@ -19,20 +19,28 @@ Verdict: ``pass`` (every check passed), ``forced`` (some failed, ``force`` set: 
 ``refused`` (some failed): the stage raises :class:`GateRefused` with the report, stopping the flow
 before anything is published.
 
+The document is ``gate.json`` (:data:`GATE_JSON`), read through :class:`GateResult`.
+
 Example::
 
-    res = gate_decision(ab_live_json, eval_offline_json, cfg.gate)
+    res = gate_decision(AbLiveResult.load(ab_dir), OfflineResult.load(ev_dir), cfg.gate)
     res["verdict"], [c["name"] for c in res["checks"] if not c["passed"]]
+    GateResult.load(gate_dir).verdict
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import ClassVar
 
 from drafter.core.config import GateConfig
 from drafter.core.errors import StageError
-from drafter.evaluation.ab_live import (compile_mode, matrix_markdown, matrix_rows, parse_summary, primary,
-                                        run_key, temperatures)
+from drafter.evaluation.ab_live import (AB_LIVE_JSON, NO_ENTRY, AbLiveResult, as_ab_live, compile_mode,
+                                        matrix_markdown, matrix_rows, primary, run_key, summary_of, temperatures)
+from drafter.evaluation.offline_result import OfflineResult
+from drafter.core.results import Part, ResultFile, missing_key
+
+GATE_JSON = "gate.json"
 
 
 class GateRefused(StageError):
@@ -59,6 +67,46 @@ class Check:
     detail: str
 
 
+class CheckRecord(Part):
+    """A :class:`Check` as ``gate.json`` records it."""
+
+    name: str
+    passed: bool
+    value: float | None = None
+    reference: float | None = None
+    threshold: float | None = None
+    detail: str = ""
+
+
+class GateResult(ResultFile):
+    """``gate.json``: :func:`gate_decision`'s (or :func:`gate_without_live`'s) document."""
+
+    NAME: ClassVar[str] = GATE_JSON
+    verdict: str  # pass, forced, refused
+    forced: bool = False
+    force: bool | None = None
+    failed: list[str] = []
+    checks: list[CheckRecord] = []
+    tolerances: dict = {}
+    num_speculative_tokens: int | None = None
+    temperature: float | None = None  # of the live checks; None without a live A/B
+    temperatures: list[float] = []
+    compiled: bool | None = None
+    unsupported: dict[str, str] = {}
+    key_numbers: dict[str, float | None] = {}
+    live_matrix: list[dict] = []
+
+
+def load_gate(stage_dir: str | Path) -> GateResult:
+    """The ``gate`` output's :class:`GateResult`."""
+    return GateResult.load(stage_dir)
+
+
+def save_gate(stage_dir: str | Path, res: dict) -> dict:
+    """Write ``res`` as ``stage_dir/gate.json``, checked against :class:`GateResult`."""
+    return GateResult.write(stage_dir, res)
+
+
 def offline_rule(temperature: float, draft_sample_method: str | None) -> str:
     """The offline acceptance rule that predicts a live measurement."""
     if temperature == 0:
@@ -66,97 +114,102 @@ def offline_rule(temperature: float, draft_sample_method: str | None) -> str:
     return "t1_prob" if draft_sample_method == "probabilistic" else "t1_greedy"
 
 
-def _need(d: Any, key: str, where: str):
-    if not isinstance(d, dict) or key not in d:
-        raise StageError(f"{where}: missing key {key!r}")
-    return d[key]
-
-
 def _fmt(v: float | None, nd: int = 3) -> str:
     return "–" if v is None else f"{v:.{nd}f}"
 
 
-def gate_checks(ab: dict, ev: dict, cfg: GateConfig) -> list[Check]:
-    """Every check of the gate from ``ab_live.json`` and ``eval_offline.json`` (schemas in their stages)."""
-    checks: list[Check] = []
-    ll = _need(ab, "lossless", "ab_live.json") or {}  # null: the check was not run (no prompts)
-    prompts, identical, ok = ll.get("prompts", 0), ll.get("identical", 0), bool(ll.get("ok"))
-    mism = ll.get("mismatches") or []
+def _lossless_check(ab: AbLiveResult) -> Check:
+    ab.require("lossless")
+    ll = ab.lossless  # null: the check was not run (no prompts)
+    prompts, identical = (ll.prompts or 0, ll.identical or 0) if ll else (0, 0)
+    ok, mism = (bool(ll.ok), ll.mismatches) if ll else (False, [])
     detail = f"{identical}/{prompts} prompts identical at T=0 with and without speculation"
     if mism:
         detail += "; first mismatches: " + ", ".join(f"prompt {m.get('prompt')} at token {m.get('first_diff_token')}"
                                                      for m in mism[:5])
     if prompts == 0:
         detail = "the lossless check ran on no prompts (ab_live.lossless_prompts = 0)"
-    checks.append(Check("lossless", ok and prompts > 0, float(identical), float(prompts), float(prompts), detail))
+    return Check("lossless", ok and prompts > 0, float(identical), float(prompts), float(prompts), detail)
 
-    summary = parse_summary(ab)
-    k = int(_need(ab, "num_speculative_tokens", "ab_live.json"))
+
+def _tau_check(tag: str, ct: float | None, bt: float | None, cfg: GateConfig) -> Check:
+    if ct is None or bt is None:
+        return Check(f"tau/{tag}", False, ct, bt, None, f"live τ not measured (candidate {_fmt(ct)}, baseline {_fmt(bt)})")
+    thr = bt * (1 - cfg.tau_tolerance)
+    return Check(f"tau/{tag}", ct >= thr, ct, bt, thr, f"candidate live τ {ct:.3f} vs baseline {bt:.3f} (must be ≥ "
+                 f"{thr:.3f}, tolerance {cfg.tau_tolerance:.0%})")
+
+
+def _tok_s_check(tag: str, c: int, cs: float | None, bs: float | None, cfg: GateConfig) -> Check:
+    if cs is None:
+        raise missing_key(AB_LIVE_JSON, "tok_s", f"summary candidate/{tag}")
+    if bs is None:
+        raise missing_key(AB_LIVE_JSON, "tok_s", f"summary baseline/{tag}")
+    thr = bs * (1 - cfg.tok_s_tolerance)
+    return Check(f"tok_s/{tag}", cs >= thr, cs, bs, thr, f"candidate {cs:.1f} tok/s vs baseline {bs:.1f} (must be ≥ "
+                 f"{thr:.1f}, tolerance {cfg.tok_s_tolerance:.0%}) at {c} concurrent user{'s' if c > 1 else ''}")
+
+
+def _live_vs_offline_check(tag: str, ct: float | None, by_k: list[float], k: int, rule: str, cfg: GateConfig) -> Check:
+    name, ratio_min = f"live_vs_offline/{tag}", cfg.min_live_offline_ratio
+    if k > len(by_k):
+        return Check(name, False, None, None, ratio_min, f"no offline prediction at K={k}: eval_offline measured "
+                     f"K ≤ {len(by_k)} (raise eval_offline.k_max to ≥ {k})")
+    off = by_k[k - 1]
+    if ct is None:
+        return Check(name, False, None, off, ratio_min, "live τ not measured")
+    ratio = ct / off
+    return Check(name, ratio >= ratio_min, ratio, off, ratio_min, f"live τ {ct:.3f} / offline τ {off:.3f} ({rule}, "
+                 f"K={k}) = {ratio:.3f} (must be ≥ {ratio_min:.2f})")
+
+
+def gate_checks(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateConfig) -> list[Check]:
+    """Every check of the gate from ``ab_live.json`` and ``eval_offline.json`` (their models: :class:`AbLiveResult`,
+    :class:`OfflineResult`)."""
+    ab = as_ab_live(ab)
+    checks = [_lossless_check(ab)]
+    summary = summary_of(ab)
+    k = int(ab.num_speculative_tokens)
     temperature = temperatures(ab)[0]
     cands = sorted((m, c) for t, d, m, c in summary if d == "candidate" and t == temperature)
     if not cands:
-        raise StageError(f"ab_live.json: summary has no candidate entry at temperature {temperature:g} "
-                         f"({run_key('candidate', '<method>', '<c>', temperature)}); entries: {sorted(ab['summary'])}")
-    drafters = _need(ev, "drafters", "eval_offline.json")
-    offline = _need(drafters, "candidate", "eval_offline.json drafters")
+        raise StageError(f"{AB_LIVE_JSON}: summary has no candidate entry at temperature {temperature:g} "
+                         f"({run_key('candidate', '<method>', '<c>', temperature)}); entries: {sorted(ab.summary)}")
+    offline = OfflineResult.of(ev).drafter("candidate")
     for method, c in cands:
         cand = summary[(temperature, "candidate", method, c)]
         base = summary.get((temperature, "baseline", method, c))
         if base is None:
-            raise StageError(f"ab_live.json: summary has {run_key('candidate', method, c, temperature)} but no "
+            raise StageError(f"{AB_LIVE_JSON}: summary has {run_key('candidate', method, c, temperature)} but no "
                              f"{run_key('baseline', method, c, temperature)}")
         tag = f"{method}/c{c}"
-        ct, bt = cand.get("tau"), base.get("tau")
-        if ct is None or bt is None:
-            checks.append(Check(f"tau/{tag}", False, ct, bt, None,
-                                f"live τ not measured (candidate {_fmt(ct)}, baseline {_fmt(bt)})"))
-        else:
-            thr = bt * (1 - cfg.tau_tolerance)
-            checks.append(Check(f"tau/{tag}", ct >= thr, ct, bt, thr,
-                                f"candidate live τ {ct:.3f} vs baseline {bt:.3f} (must be ≥ {thr:.3f}, "
-                                f"tolerance {cfg.tau_tolerance:.0%})"))
-        cs, bs = _need(cand, "tok_s", f"ab_live.json summary candidate/{tag}"), _need(base, "tok_s", f"ab_live.json summary baseline/{tag}")
-        thr = bs * (1 - cfg.tok_s_tolerance)
-        checks.append(Check(f"tok_s/{tag}", cs >= thr, cs, bs, thr,
-                            f"candidate {cs:.1f} tok/s vs baseline {bs:.1f} (must be ≥ {thr:.1f}, "
-                            f"tolerance {cfg.tok_s_tolerance:.0%}) at {c} concurrent user{'s' if c > 1 else ''}"))
+        checks.append(_tau_check(tag, cand.tau, base.tau, cfg))
+        checks.append(_tok_s_check(tag, c, cand.tok_s, base.tok_s, cfg))
         rule = offline_rule(temperature, method)
-        by_k = _need(offline, rule, "eval_offline.json drafters.candidate")["tau_by_k"]
-        if k > len(by_k):
-            checks.append(Check(f"live_vs_offline/{tag}", False, None, None, cfg.min_live_offline_ratio,
-                                f"no offline prediction at K={k}: eval_offline measured K ≤ {len(by_k)} "
-                                f"(raise eval_offline.k_max to ≥ {k})"))
-        elif ct is None:
-            checks.append(Check(f"live_vs_offline/{tag}", False, None, by_k[k - 1], cfg.min_live_offline_ratio,
-                                "live τ not measured"))
-        else:
-            off = by_k[k - 1]
-            ratio = ct / off
-            checks.append(Check(f"live_vs_offline/{tag}", ratio >= cfg.min_live_offline_ratio, ratio, off,
-                                cfg.min_live_offline_ratio,
-                                f"live τ {ct:.3f} / offline τ {off:.3f} ({rule}, K={k}) = {ratio:.3f} "
-                                f"(must be ≥ {cfg.min_live_offline_ratio:.2f})"))
+        if rule not in offline:
+            raise missing_key(OfflineResult.NAME, rule, "drafters.candidate")
+        checks.append(_live_vs_offline_check(tag, cand.tau, offline[rule].tau_by_k, k, rule, cfg))
     return checks
 
 
-def gate_decision(ab: dict, ev: dict, cfg: GateConfig) -> dict:
+def gate_decision(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateConfig) -> dict:
     """The ``gate.json`` document: verdict, forced, every check with its numbers, key numbers."""
+    ab, ev = as_ab_live(ab), OfflineResult.of(ev)
     checks = gate_checks(ab, ev, cfg)
     failed = [c.name for c in checks if not c.passed]
     verdict = "pass" if not failed else ("forced" if cfg.force else "refused")
-    summary = parse_summary(ab)
+    summary = summary_of(ab)
     temperature, method = primary(ab)  # the key numbers: lowest temperature, greedy drafts
     key = {}
     for d in ("baseline", "candidate", "none"):
-        s = summary.get((temperature, d, "none" if d == "none" else method, 1)) or {}
-        key[f"tok_s_c1_{d}"] = s.get("tok_s")
+        s = summary.get((temperature, d, "none" if d == "none" else method, 1), NO_ENTRY)
+        key[f"tok_s_c1_{d}"] = s.tok_s
         if d != "none":
-            key[f"tau_live_{d}"] = s.get("tau")
-    k = ab.get("num_speculative_tokens")
+            key[f"tau_live_{d}"] = s.tau
+    k = ab.num_speculative_tokens
     rule = offline_rule(temperature, method)
     for d in ("baseline", "candidate"):
-        by_k = ev.get("drafters", {}).get(d, {}).get(rule, {}).get("tau_by_k", [])
-        key[f"tau_offline_{d}"] = by_k[k - 1] if k and k <= len(by_k) else None
+        key[f"tau_offline_{d}"] = ev.tau(d, rule, k)
     return {
         "verdict": verdict,
         "forced": verdict == "forced",
@@ -167,8 +220,8 @@ def gate_decision(ab: dict, ev: dict, cfg: GateConfig) -> dict:
         "num_speculative_tokens": k,
         "temperature": temperature,  # of the live checks
         "temperatures": temperatures(ab),
-        "compiled": ab.get("compiled"),
-        "unsupported": ab.get("unsupported") or {},
+        "compiled": ab.compiled,
+        "unsupported": ab.unsupported or {},
         "key_numbers": key,
         "live_matrix": matrix_rows(ab),  # every temperature and draft sampling method, for information
     }
@@ -184,31 +237,32 @@ def gate_without_live(reason: str, cfg: GateConfig) -> dict:
             "unsupported": {}, "key_numbers": {}, "live_matrix": []}
 
 
-def gate_report(res: dict) -> str:
+def gate_report(result: GateResult | dict) -> str:
     """Markdown: the verdict, why, and every check with its numbers."""
-    v = res["verdict"]
+    res = GateResult.of(result)
+    v = res.verdict
     head = {"pass": "PASS — every check passed; the release proceeds.",
             "forced": "FORCED — the gate refused, but `gate.force` is set; the release proceeds and the card records it.",
             "refused": "REFUSED — the release stops before publishing."}[v]
     lines = [f"## Release gate: {head}", ""]
-    if res["failed"]:
+    if res.failed:
         lines += ["Failed checks:", ""]
-        lines += [f"- **{c['name']}**: {c['detail']}" for c in res["checks"] if not c["passed"]]
+        lines += [f"- **{c.name}**: {c.detail}" for c in res.checks if not c.passed]
         lines.append("")
         if v == "refused":
             lines += ["To release anyway, set `gate.force: true` (recorded in the card), or widen the tolerances "
                       "in the `gate` config section.", ""]
     lines += ["| check | result | value | reference | threshold | detail |", "|---|---|---|---|---|---|"]
-    for c in res["checks"]:
-        lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {_fmt(c['value'])} | "
-                     f"{_fmt(c['reference'])} | {_fmt(c['threshold'])} | {c['detail']} |")
-    for method, why in res.get("unsupported", {}).items():
+    for c in res.checks:
+        lines.append(f"| {c.name} | {'pass' if c.passed else 'FAIL'} | {_fmt(c.value)} | "
+                     f"{_fmt(c.reference)} | {_fmt(c.threshold)} | {c.detail} |")
+    for method, why in res.unsupported.items():
         lines.append(f"\nNot measured: draft sampling `{method}` ({why}).")
-    if res.get("live_matrix"):
-        temps = res.get("temperatures") or [res["temperature"]]
+    if res.live_matrix:
+        temps = res.temperatures or [res.temperature]
         lines += ["", f"### The A/B at every temperature and draft sampling (informational: the live checks above "
-                  f"use T={res['temperature']:g})", "",
+                  f"use T={res.temperature:g})", "",
                   f"Temperature{'s' if len(temps) > 1 else ''} {', '.join(f'{t:g}' for t in temps)}; servers "
-                  f"{compile_mode(res.get('compiled'))}; speedup = tok/s over no speculation at the same temperature "
-                  "and concurrency.", "", matrix_markdown(res["live_matrix"]).rstrip("\n")]
+                  f"{compile_mode(res.compiled)}; speedup = tok/s over no speculation at the same temperature "
+                  "and concurrency.", "", matrix_markdown(res.live_matrix).rstrip("\n")]
     return "\n".join(lines) + "\n"

@@ -11,12 +11,13 @@ Example::
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from drafter.evaluation.ab_live import compile_mode, matrix, matrix_markdown, matrix_rows, parse_summary, primary
-from drafter.evaluation.gate import offline_rule
+from drafter.evaluation.ab_live import (NO_ENTRY, AbLiveResult, as_ab_live, compile_mode, matrix, matrix_markdown,
+                                        matrix_rows, primary, summary_of)
+from drafter.evaluation.gate import GateResult, offline_rule
+from drafter.evaluation.offline_result import OfflineResult
+from drafter.core.results import ResultFile
 
 LABELS = {"none": "no speculation", "baseline": "released", "candidate": "fine-tuned"}
 RULE_NAMES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
@@ -31,24 +32,25 @@ def _done(stage: dict | None) -> bool:
     return bool(stage) and stage["status"] in ("computed", "reused") and not _skipped(stage)
 
 
-def _json(stage: dict | None, name: str) -> dict | None:
-    if not _done(stage):
+def _load(stage: dict | None, model: type[ResultFile]):
+    """The finished stage's result file as ``model``; None when the stage did not finish or has no such file."""
+    if not _done(stage) or not model.exists(stage["path"]):
         return None
-    p = Path(stage["path"]) / name
-    return json.loads(p.read_text()) if p.is_file() else None
+    return model.load(stage["path"])
 
 
 def _f(v: Any, fmt: str = "{:.3f}") -> str:
     return "–" if v is None else fmt.format(v)
 
 
-def acceptance_table(ab: dict, ev: dict | None) -> str:
+def acceptance_table(ab: AbLiveResult | dict, ev: OfflineResult | dict | None) -> str:
     """Markdown: per drafter, offline τ (at the live K and rule), live τ, tok/s per concurrency and speedup, at the
     A/B's primary measurement (the lowest temperature, greedy drafts)."""
-    k = ab["num_speculative_tokens"]
+    ab, ev = as_ab_live(ab), OfflineResult.of(ev) if ev is not None else None
+    k = ab.num_speculative_tokens
     t0, m0 = primary(ab)
     rule = offline_rule(t0, m0)
-    summ = parse_summary(ab)
+    summ = summary_of(ab)
     conc = sorted({key[3] for key in summ})
 
     def row(drafter: str) -> dict:
@@ -65,67 +67,69 @@ def acceptance_table(ab: dict, ev: dict | None) -> str:
             continue
         off = None
         if ev and d != "none":
-            by_k = ev["drafters"][d][rule]["tau_by_k"]
+            by_k = ev.drafters[d][rule].tau_by_k
             off = by_k[k - 1] if k <= len(by_k) else None
-        first = r[conc[0]] or {}
-        cells = [LABELS[d], _f(off), _f(first.get("tau"))]
-        cells += [_f((r[c] or {}).get("tok_s"), "{:.1f}") for c in conc]
-        cells += [_f((r[c] or {}).get("tok_s") / ref[c]["tok_s"] if r[c] and ref.get(c) and ref[c].get("tok_s") else None,
-                     "{:.2f}×") for c in conc]
+        first = r[conc[0]] or NO_ENTRY
+        cells = [LABELS[d], _f(off), _f(first.tau)]
+        cells += [_f((r[c] or NO_ENTRY).tok_s, "{:.1f}") for c in conc]
+        cells += [_f(r[c].tok_s / ref[c].tok_s if r[c] and ref.get(c) and ref[c].tok_s else None, "{:.2f}×")
+                  for c in conc]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def decode_line(ab: dict) -> str | None:
+def decode_line(ab: AbLiveResult | dict) -> str | None:
     """Decode speed at the smallest concurrency from vLLM's request histograms (prefill excluded), per
     drafter with its ratio to no speculation, and the mean time to first token; None without them."""
-    summ = parse_summary(ab)
+    ab = as_ab_live(ab)
+    summ = summary_of(ab)
     t0, m0 = primary(ab)
     c = min(key[3] for key in summ)
-    ref = (summ.get((t0, "none", "none", c)) or {}).get("decode_tok_s")
+    ref = summ.get((t0, "none", "none", c), NO_ENTRY).decode_tok_s
     if not ref:
         return None
     cells = [f"no speculation {ref:.1f} tok/s"]
     for d in ("baseline", "candidate"):
-        x = (summ.get((t0, d, m0, c)) or {}).get("decode_tok_s")
+        x = summ.get((t0, d, m0, c), NO_ENTRY).decode_tok_s
         if x:
             cells.append(f"{LABELS[d]} {x:.1f} ({x / ref:.2f}×)")
-    ttft = (summ.get((t0, "none", "none", c)) or {}).get("ttft_mean_s")
+    ttft = summ.get((t0, "none", "none", c), NO_ENTRY).ttft_mean_s
     users = f"{c} user{'s' if c > 1 else ''}"
     return (f"Decode only at {users} (vLLM's request histograms, the prompt's prefill excluded): " + "; ".join(cells)
             + (f"; mean time to first token {ttft:.2f} s" if ttft is not None else "") + ".\n")
 
 
-def block_table(ev: dict) -> str:
+def block_table(ev: OfflineResult | dict) -> str:
     """Markdown: a block draft's (DSpark) offline τ per block at the full block, released vs fine-tuned
     with intervals and the paired difference, per rule; the confidence heads' ECE."""
-    k = ev["k_max"]
-    pct = round(100 * ev["confidence"])
+    ev = OfflineResult.of(ev)
+    k = ev.k_max
+    pct = round(100 * ev.confidence)
     head = ["rule", f"released τ [{pct}% CI]", f"fine-tuned τ [{pct}% CI]", "ratio", f"difference [{pct}% CI]"]
-    lines = [f"### Offline τ per block (block {k}, held-out: {ev['conversations']} conversations, "
-             f"{ev['positions']} anchors)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"### Offline τ per block (block {k}, held-out: {ev.conversations} conversations, "
+             f"{ev.positions} anchors)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rule, name in RULE_NAMES.items():
-        b, c = ev["drafters"]["baseline"][rule], ev["drafters"]["candidate"][rule]
-        d = ev["difference"][rule]
-        lines.append(f"| {name} | {b['tau_by_k'][k - 1]:.3f} [{b['tau_ci'][k - 1][0]:.3f}, {b['tau_ci'][k - 1][1]:.3f}] | "
-                     f"{c['tau_by_k'][k - 1]:.3f} [{c['tau_ci'][k - 1][0]:.3f}, {c['tau_ci'][k - 1][1]:.3f}] | "
-                     f"{c['tau_by_k'][k - 1] / b['tau_by_k'][k - 1]:.3f}× | {d['tau_by_k'][k - 1]:+.3f} "
-                     f"[{d['tau_ci'][k - 1][0]:+.3f}, {d['tau_ci'][k - 1][1]:+.3f}] |")
-    cal = ev.get("calibration") or {}
-    if cal:
+        b, c = ev.drafters["baseline"][rule], ev.drafters["candidate"][rule]
+        d = ev.difference[rule]
+        lines.append(f"| {name} | {b.tau_by_k[k - 1]:.3f} [{b.tau_ci[k - 1][0]:.3f}, {b.tau_ci[k - 1][1]:.3f}] | "
+                     f"{c.tau_by_k[k - 1]:.3f} [{c.tau_ci[k - 1][0]:.3f}, {c.tau_ci[k - 1][1]:.3f}] | "
+                     f"{c.tau_by_k[k - 1] / b.tau_by_k[k - 1]:.3f}× | {d.tau_by_k[k - 1]:+.3f} "
+                     f"[{d.tau_ci[k - 1][0]:+.3f}, {d.tau_ci[k - 1][1]:+.3f}] |")
+    if ev.calibration:
         lines += ["", "Confidence head (expected calibration error, held-out, outcome = accepted at T=0): "
-                  + "; ".join(f"{LABELS.get(n, n)} {r['ece']:.4f}" for n, r in cal.items() if r.get("ece") is not None)]
+                  + "; ".join(f"{LABELS.get(n, n)} {r.ece:.4f}" for n, r in ev.calibration.items() if r.ece is not None)]
     return "\n".join(lines) + "\n"
 
 
-def heldout_line(ev: dict | None, ab: dict | None) -> str | None:
+def heldout_line(ev: OfflineResult | dict | None, ab: AbLiveResult | dict | None) -> str | None:
     """Which held-out set the offline τ and the live replay were measured on (``eval_offline.json`` /
     ``ab_live.json`` record it): the built-in split or the user's files; None when neither says."""
+    ev, ab = OfflineResult.of(ev) if ev else None, as_ab_live(ab) if ab else None
     sets: dict[str, list[str]] = {}
-    if ev and ev.get("heldout"):
-        sets.setdefault(ev["heldout"]["text"], []).append("offline τ")
-    if ab and (ab.get("replay") or {}).get("heldout"):
-        sets.setdefault(ab["replay"]["heldout"]["text"], []).append("live replay")
+    if ev and ev.heldout:
+        sets.setdefault(ev.heldout.text, []).append("offline τ")
+    if ab and ab.replay and ab.replay.heldout:
+        sets.setdefault(ab.replay.heldout.text, []).append("live replay")
     if not sets:
         return None
     return "Held-out set: " + "; ".join(f"{text} ({' and '.join(what)})" for text, what in sets.items()) + ".\n"
@@ -155,41 +159,48 @@ def _quant_lines(st: dict) -> list[str]:
     return out
 
 
-def release_report(summary: dict) -> str:
-    """Markdown report of a release run from its stage outputs (missing stages are left out)."""
-    st = {s["stage"]: s for s in summary["stages"]}
+def _live_parts(st: dict, ab: AbLiveResult | None, ev: OfflineResult | None) -> list[str]:
+    """The A/B's tables and lines, or why it was not measured."""
     parts: list[str] = []
-    ab = _json(st.get("ab_live"), "ab_live.json")
-    ev = _json(st.get("eval_offline"), "eval_offline.json")
-    heldout = heldout_line(ev, ab)
-    if heldout:
-        parts.append(heldout)
     if ab:
         parts.append("### Acceptance and speed (vLLM)\n\n" + acceptance_table(ab, ev))
         if sum(len(ms) for ms in matrix(ab).values()) > 1:
             parts.append("Every temperature and draft sampling method of the A/B (speedup over no speculation at the "
                          "same temperature):\n\n" + matrix_markdown(matrix_rows(ab), LABELS))
-        if "compiled" in ab:
-            parts.append(f"A/B servers: {compile_mode(ab['compiled'])}.\n")
-        ll = ab.get("lossless") or {}
+        if "compiled" in ab.model_fields_set:
+            parts.append(f"A/B servers: {compile_mode(ab.compiled)}.\n")
+        ll = ab.lossless
         if ll:
-            parts.append(f"Lossless at T=0: {ll.get('identical')}/{ll.get('prompts')} prompts identical with and "
-                         f"without speculation ({'ok' if ll.get('ok') else 'FAILED'}).\n")
+            parts.append(f"Lossless at T=0: {ll.identical}/{ll.prompts} prompts identical with and "
+                         f"without speculation ({'ok' if ll.ok else 'FAILED'}).\n")
         decode = decode_line(ab)
         if decode:
             parts.append(decode)
     if st.get("ab_live") and _skipped(st["ab_live"]):
         parts.append(f"**Live A/B**: not measured — {st['ab_live'].get('reason')}\n")
-    if ev and ev.get("drafting") == "block":
+    return parts
+
+
+def release_report(summary: dict) -> str:
+    """Markdown report of a release run from its stage outputs (missing stages are left out)."""
+    st = {s["stage"]: s for s in summary["stages"]}
+    parts: list[str] = []
+    ab = _load(st.get("ab_live"), AbLiveResult)
+    ev = _load(st.get("eval_offline"), OfflineResult)
+    heldout = heldout_line(ev, ab)
+    if heldout:
+        parts.append(heldout)
+    parts += _live_parts(st, ab, ev)
+    if ev and ev.drafting == "block":
         parts.append(block_table(ev))
     elif ev:
-        rk = ev.get("recommended_k", {})
+        rk = ev.recommended_k
         parts.append(f"Offline: recommended K = {rk.get('candidate')} for the fine-tuned drafter "
-                     f"({rk.get('baseline')} for the released one) at draft cost {ev.get('draft_cost', 0):.3f} "
+                     f"({rk.get('baseline')} for the released one) at draft cost {ev.draft_cost or 0:.3f} "
                      "of a target forward.\n")
     parts += _quant_lines(st)
-    gate = _json(st.get("gate"), "gate.json")
+    gate = _load(st.get("gate"), GateResult)
     if gate:
-        forced = gate.get("forced") and gate.get("verdict") != "forced"
-        parts.append(f"**gate**: {gate.get('verdict')}" + (" (forced)" if forced else "") + "\n")
+        forced = gate.forced and gate.verdict != "forced"
+        parts.append(f"**gate**: {gate.verdict}" + (" (forced)" if forced else "") + "\n")
     return "\n".join(parts)

@@ -309,6 +309,41 @@ class DSparkDraft(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
+    @staticmethod
+    def _block_mask(anchors: Tensor, T: int, K: int, device) -> Tensor:
+        """Which keys each block query reads, ``[B, 1, MK, T + MK]``: the context strictly before its
+        anchor (``T`` keys), and its own block (``M·K`` keys, ``K`` per block of ``anchors`` ``[B, M]``)."""
+        B, M = anchors.shape
+        ctx_ok = torch.arange(T, device=device).view(1, 1, T) < anchors.unsqueeze(-1)  # [B, M, T]
+        ctx_ok = ctx_ok.unsqueeze(2).expand(B, M, K, T).reshape(B, M * K, T)
+        blk = torch.arange(M, device=device).repeat_interleave(K)
+        blk_ok = (blk.view(-1, 1) == blk.view(1, -1)).expand(B, M * K, M * K)
+        return torch.cat([ctx_ok, blk_ok], dim=-1).unsqueeze(1)  # [B, 1, MK, T + MK]
+
+    def _layer(self, layer, h: Tensor, mask: Tensor, q_rope: tuple[Tensor, Tensor], ctx: Tensor,
+               ctx_rope: tuple[Tensor, Tensor]) -> Tensor:
+        """One decoder layer over the block queries ``h`` ``[B, MK, H]``: attention (``mask``) to the context's
+        keys / values (from ``ctx`` ``[B, T, H]``) and the blocks' own, then the MLP; each with its residual."""
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repeat_kv
+
+        cfg = self.cfg
+        B, MK = h.shape[0], h.shape[1]
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        attn = layer.self_attn
+        residual = h
+        hn = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(hn).view(B, MK, nh, hd)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(hn).view(B, MK, nkv, hd)).transpose(1, 2)
+        v = attn.v_proj(hn).view(B, MK, nkv, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *q_rope)
+        kc, vc = self._context_kv(attn, ctx, *ctx_rope)
+        keys = repeat_kv(torch.cat([kc, k], dim=2), nh // nkv)
+        vals = repeat_kv(torch.cat([vc, v], dim=2), nh // nkv)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=hd ** -0.5)
+        h = residual + attn.o_proj(o.transpose(1, 2).reshape(B, MK, nh * hd))
+        residual = h
+        return residual + layer.mlp(layer.post_attention_layernorm(h))
+
     def forward(self, input_ids: Tensor, features: Tensor, anchors: Tensor, *, embed: nn.Module,
                 lm_head: nn.Module, anchor_mask: Tensor | None = None,
                 label_mask: Tensor | None = None, start: Tensor | int = 0) -> DSparkOutput:
@@ -320,8 +355,6 @@ class DSparkDraft(nn.Module):
         itself and its outputs are to be ignored); ``label_mask`` ``[B, T]`` (True = a token to train
         on: padding and prompt tokens are not) narrows ``valid``; ``start`` (int or ``[B]``) is the
         absolute position of index 0 (a window cut from a conversation): RoPE sees ``start + t``."""
-        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repeat_kv
-
         cfg = self.cfg
         B, T = input_ids.shape
         M, K = anchors.shape[1], cfg.block_size
@@ -356,30 +389,10 @@ class DSparkDraft(nn.Module):
         x = embed(block_ids.view(B, M * K)).to(ctx.dtype)
         q_cos, q_sin = self._rope(x, q_pos)
 
-        # which keys each query reads: context strictly before its anchor, and its own block
-        ctx_ok = torch.arange(T, device=device).view(1, 1, T) < anchors.unsqueeze(-1)  # [B, M, T]
-        ctx_ok = ctx_ok.unsqueeze(2).expand(B, M, K, T).reshape(B, M * K, T)
-        blk = torch.arange(M, device=device).repeat_interleave(K)
-        blk_ok = (blk.view(-1, 1) == blk.view(1, -1)).expand(B, M * K, M * K)
-        mask = torch.cat([ctx_ok, blk_ok], dim=-1).unsqueeze(1)  # [B, 1, MK, T + MK]
-
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        mask = self._block_mask(anchors, T, K, device)
         h = x
         for layer in self.layers:
-            attn = layer.self_attn
-            residual = h
-            hn = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(hn).view(B, M * K, nh, hd)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(hn).view(B, M * K, nkv, hd)).transpose(1, 2)
-            v = attn.v_proj(hn).view(B, M * K, nkv, hd).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, q_cos, q_sin)
-            kc, vc = self._context_kv(attn, ctx, ctx_cos, ctx_sin)
-            keys = repeat_kv(torch.cat([kc, k], dim=2), nh // nkv)
-            vals = repeat_kv(torch.cat([vc, v], dim=2), nh // nkv)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=hd ** -0.5)
-            h = residual + attn.o_proj(o.transpose(1, 2).reshape(B, M * K, nh * hd))
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            h = self._layer(layer, h, mask, (q_cos, q_sin), ctx, (ctx_cos, ctx_sin))
         hidden = self.norm(h).view(B, M, K, cfg.hidden_size)
 
         s = cfg.logit_scale

@@ -24,8 +24,9 @@ import hashlib
 import json
 import os
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -94,6 +95,95 @@ def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()  # any device
 
 
+def _release_float(release: FP8Release, name: str) -> torch.Tensor | None:
+    """The release's tensor ``name`` as float (an FP8 weight dequantized with its scale); None for a
+    tensor with no float meaning (integer, packed, an e8m0 scale)."""
+    t = _read(release.path_of(name), name)
+    if name in release.fp8:
+        return F.dequantize(t, _read(release.path_of(release.fp8[name]), release.fp8[name]), release.block, name=name)
+    return t.float() if t.is_floating_point() and t.dtype not in (torch.float8_e8m0fnu,) else None
+
+
+@dataclass
+class _DropinTensors:
+    """The drop-in's tensors, made one at a time in the header's (sorted) order, and the report of what
+    was done to each. ``tkeys``: the keys of the ``trained`` file; ``start``: see :func:`build_dropin`."""
+
+    release: FP8Release
+    trained: Path
+    tkeys: set[str]
+    infos: dict[str, TensorInfo]
+    start: Callable[[str], torch.Tensor | None]
+    report: dict[str, dict] = field(default_factory=dict)
+    quantized: set[str] = field(default_factory=set)  # FP8 weights we write (their scales come with them)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # scales made with their weight, not yet written
+
+    def produce(self, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor) for every key of ``infos``, sorted; a scale comes from its weight's quantization."""
+        release = self.release
+        owner = {s: w for w, s in (release.fp8 | release.other_scales).items()}
+        done: set[str] = set()
+        for k in sorted(self.infos):
+            if k in owner and k not in self.pending and owner[k] not in done:  # scale sorts before its weight (V4)
+                w = owner[k]
+                self.pending[w] = self.tensor_for(w)
+                done.add(w)
+            if k in self.pending:
+                t = self.pending.pop(k)
+            elif k in owner:
+                t = _read(release.path_of(k), k)  # its weight was kept: the release's bytes
+            else:
+                done.add(k)
+                t = self.tensor_for(k)
+            if progress is not None:
+                progress(k)
+            yield k, t
+
+    def tensor_for(self, k: str) -> torch.Tensor:
+        """The drop-in's tensor ``k`` (a weight; its FP8 scale goes to ``pending``), reported."""
+        release, trained, inf = self.release, self.trained, self.infos[k]
+        rel_t = _read(release.path_of(k), k)
+        entry: dict = {"dtype": inf.dtype, "shape": list(inf.shape)}
+        if k not in self.tkeys:
+            self.report[k] = entry | {"action": "kept (not in the trained weights)", "fp8_rel_error": None,
+                                      "moved_rel": 0.0}
+            return rel_t
+        w = _read(trained, k).float()
+        if tuple(w.shape) != inf.shape:
+            raise StageError(f"{trained}: tensor {k} has shape {tuple(w.shape)}, the release's is {inf.shape}")
+        if not torch.isfinite(w).all():
+            raise StageError(f"{trained}: tensor {k} has NaN/inf values")
+        ref = _release_float(release, k)
+        moved = _rel(w, ref) if ref is not None else None
+        st = self.start(k)
+        untouched = st is not None and st.shape == w.shape and torch.equal(st.float().view(torch.int32), w.view(torch.int32))
+        if k in release.other_scales or inf.dtype not in FLOAT_DTYPES + ("F8_E4M3",):
+            if st is None:  # packed (MXFP4 experts, …): no float to compare with, so a change would be lost
+                raise StageError(f"{trained}: tensor {k} is in the trained weights but the release stores it as "
+                                 f"{inf.dtype}, a packed format this quantizer neither reads nor writes: leave it out "
+                                 "of the trained weights (freeze it; the release's bytes are kept)")
+            if not untouched:
+                raise StageError(f"{trained}: tensor {k} changed in training but the release stores it as {inf.dtype}, "
+                                 "a format this quantizer does not write (freeze it, or leave it out of the trained weights)")
+            self.report[k] = entry | {"action": "kept (format not written here)", "fp8_rel_error": None, "moved_rel": moved}
+            return rel_t
+        if untouched:
+            self.report[k] = entry | {"action": "kept (unchanged by training)",
+                                      "fp8_rel_error": _rel(ref, w) if ref is not None else None, "moved_rel": moved}
+            return rel_t
+        if k in release.fp8:
+            block, rule = release.block, release.rule
+            q, s = F.quantize(w, block, rule, name=k)
+            self.pending[release.fp8[k]] = s
+            self.quantized.add(k)
+            self.report[k] = entry | {"action": f"fp8 {rule} {block[0]}x{block[1]}",
+                                      "fp8_rel_error": _rel(F.dequantize(q, s, block, name=k), w), "moved_rel": moved}
+            return q
+        t = w.to(ST_DTYPES[inf.dtype])
+        self.report[k] = entry | {"action": f"cast {inf.dtype}", "fp8_rel_error": _rel(t.float(), w), "moved_rel": moved}
+        return t
+
+
 def build_dropin(release: FP8Release, trained: Path, out_dir: Path, *,
                  start: Callable[[str], torch.Tensor | None] | None = None, progress=None) -> dict:
     """Write ``out_dir/mtp-ft.safetensors``, ``out_dir/model.safetensors.index.json``, ``out_dir/fp8-error.json``.
@@ -108,104 +198,34 @@ def build_dropin(release: FP8Release, trained: Path, out_dir: Path, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     with safe_open(str(trained), framework="pt") as f:
         tkeys = set(f.keys())
-    drafter = set(release.drafter_keys)
-    foreign = sorted(tkeys - drafter)
+    foreign = sorted(tkeys - set(release.drafter_keys))
     if foreign:
         raise StageError(f"{trained}: {len(foreign)} tensor(s) that are not drafter keys of the release {release.dir}: "
                          f"{foreign[:10]}")
     infos = {k: release.info[k] for k in release.drafter_keys}
-    block, rule = release.block, release.rule
-
-    def release_float(name: str) -> torch.Tensor | None:
-        t = _read(release.path_of(name), name)
-        if name in release.fp8:
-            return F.dequantize(t, _read(release.path_of(release.fp8[name]), release.fp8[name]), block, name=name)
-        return t.float() if t.is_floating_point() and t.dtype not in (torch.float8_e8m0fnu,) else None
-
-    start = start or release_float
-    report: dict[str, dict] = {}
-    quantized: set[str] = set()  # FP8 weights we write (their scales come with them)
-    pending: dict[str, torch.Tensor] = {}
-
-    owner = {s: w for w, s in (release.fp8 | release.other_scales).items()}
-    done: set[str] = set()
-
-    def produce():
-        for k in sorted(infos):
-            if k in owner and k not in pending and owner[k] not in done:  # scale sorts before its weight (V4)
-                w = owner[k]
-                pending[w] = tensor_for(w)
-                done.add(w)
-            if k in pending:
-                t = pending.pop(k)
-            elif k in owner:
-                t = _read(release.path_of(k), k)  # its weight was kept: the release's bytes
-            else:
-                done.add(k)
-                t = tensor_for(k)
-            if progress is not None:
-                progress(k)
-            yield k, t
-
-    def tensor_for(k: str) -> torch.Tensor:
-        inf = infos[k]
-        rel_t = _read(release.path_of(k), k)
-        entry: dict = {"dtype": inf.dtype, "shape": list(inf.shape)}
-        if k not in tkeys:
-            report[k] = entry | {"action": "kept (not in the trained weights)", "fp8_rel_error": None, "moved_rel": 0.0}
-            return rel_t
-        w = _read(trained, k).float()
-        if tuple(w.shape) != inf.shape:
-            raise StageError(f"{trained}: tensor {k} has shape {tuple(w.shape)}, the release's is {inf.shape}")
-        if not torch.isfinite(w).all():
-            raise StageError(f"{trained}: tensor {k} has NaN/inf values")
-        ref = release_float(k)
-        moved = _rel(w, ref) if ref is not None else None
-        st = start(k)
-        untouched = st is not None and st.shape == w.shape and torch.equal(st.float().view(torch.int32), w.view(torch.int32))
-        if k in release.other_scales or inf.dtype not in FLOAT_DTYPES + ("F8_E4M3",):
-            if st is None:  # packed (MXFP4 experts, …): no float to compare with, so a change would be lost
-                raise StageError(f"{trained}: tensor {k} is in the trained weights but the release stores it as "
-                                 f"{inf.dtype}, a packed format this quantizer neither reads nor writes: leave it out "
-                                 "of the trained weights (freeze it; the release's bytes are kept)")
-            if not untouched:
-                raise StageError(f"{trained}: tensor {k} changed in training but the release stores it as {inf.dtype}, "
-                                 "a format this quantizer does not write (freeze it, or leave it out of the trained weights)")
-            report[k] = entry | {"action": "kept (format not written here)", "fp8_rel_error": None, "moved_rel": moved}
-            return rel_t
-        if untouched:
-            report[k] = entry | {"action": "kept (unchanged by training)",
-                                 "fp8_rel_error": _rel(ref, w) if ref is not None else None, "moved_rel": moved}
-            return rel_t
-        if k in release.fp8:
-            q, s = F.quantize(w, block, rule, name=k)
-            pending[release.fp8[k]] = s
-            quantized.add(k)
-            report[k] = entry | {"action": f"fp8 {rule} {block[0]}x{block[1]}",
-                                 "fp8_rel_error": _rel(F.dequantize(q, s, block, name=k), w), "moved_rel": moved}
-            return q
-        t = w.to(ST_DTYPES[inf.dtype])
-        report[k] = entry | {"action": f"cast {inf.dtype}", "fp8_rel_error": _rel(t.float(), w), "moved_rel": moved}
-        return t
-
-    dropin_path = out_dir / DROPIN_NAME
-    write_safetensors_streaming(dropin_path, infos, produce(), metadata={"format": "pt", "source": "quantize_fp8"})
+    made = _DropinTensors(release, trained, tkeys, infos, start or (lambda name: _release_float(release, name)))
+    write_safetensors_streaming(out_dir / DROPIN_NAME, infos, made.produce(progress),
+                                metadata={"format": "pt", "source": "quantize_fp8"})
 
     index = json.loads(json.dumps(release.index))
     for k in release.drafter_keys:
         index["weight_map"][k] = DROPIN_NAME
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    fp8_errs = {k: v["fp8_rel_error"] for k, v in report.items() if v["fp8_rel_error"] is not None and k in quantized}
-    worst = max(fp8_errs, key=fp8_errs.get) if fp8_errs else None
-    summary = {"tensors": len(infos), "fp8_tensors": len(quantized),
-               "kept_tensors": sum(1 for v in report.values() if v["action"].startswith("kept")),
-               "cast_tensors": sum(1 for v in report.values() if v["action"].startswith("cast")),
-               "max_fp8_rel_error": fp8_errs[worst] if worst else None, "max_fp8_rel_error_tensor": worst,
-               "max_moved_rel": max((v["moved_rel"] for v in report.values() if v["moved_rel"] is not None), default=None),
-               "rule": rule, "block": list(block)}
-    doc = {"summary": summary, "tensors": report}
+    doc = {"summary": _summary(made.report, made.quantized, len(infos), release), "tensors": made.report}
     (out_dir / ERROR_NAME).write_text(json.dumps(doc, indent=2) + "\n")
     return doc
+
+
+def _summary(report: dict[str, dict], quantized: set[str], n_tensors: int, release: FP8Release) -> dict:
+    """The ``summary`` of ``fp8-error.json``: counts per action, the worst FP8 error and the largest move."""
+    fp8_errs = {k: v["fp8_rel_error"] for k, v in report.items() if v["fp8_rel_error"] is not None and k in quantized}
+    worst = max(fp8_errs, key=fp8_errs.get) if fp8_errs else None
+    return {"tensors": n_tensors, "fp8_tensors": len(quantized),
+            "kept_tensors": sum(1 for v in report.values() if v["action"].startswith("kept")),
+            "cast_tensors": sum(1 for v in report.values() if v["action"].startswith("cast")),
+            "max_fp8_rel_error": fp8_errs[worst] if worst else None, "max_fp8_rel_error_tensor": worst,
+            "max_moved_rel": max((v["moved_rel"] for v in report.values() if v["moved_rel"] is not None), default=None),
+            "rule": release.rule, "block": list(release.block)}
 
 
 def check_dropin(release: FP8Release, fp8_dir: Path) -> dict:

@@ -16,21 +16,29 @@ on any block the rule could have produced, so what this detects is a rule mismat
 block shape) or a block that no rule-following writer could have produced (e.g. a tampered block
 maximum, a NaN byte) — not every altered byte: that is what the drop-in's hashes are for.
 
+The ``verify_fp8`` stage records it with the drop-in's checks in ``verify.json`` (:data:`VERIFY_JSON`, read
+through :class:`VerifyResult`).
+
 Example::
 
     report = self_check(open_release(target_dir))
     report.totals   # {'identical': 1234, 'edge': 2, 'differ': 0, 'total': 1236}
+    VerifyResult.load(verify_dir).self_check.totals.identical
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from drafter.core.results import Part, ResultFile
 from drafter.quant import fp8 as F
 from drafter.quant.release import FP8Release
 
 Tensor = torch.Tensor
+VERIFY_JSON = "verify.json"
 
 
 @dataclass
@@ -120,3 +128,51 @@ def self_check(release: FP8Release, progress=None) -> SelfCheckReport:
         if progress is not None:
             progress(name)
     return report
+
+
+class Totals(Part):
+    identical: int
+    edge: int
+    differ: int
+    total: int
+
+
+class SelfCheck(Part):
+    """:meth:`SelfCheckReport.as_dict`."""
+
+    rule: str | None = None
+    block: list[int] | None = None
+    totals: Totals
+    tensors: dict[str, dict] = {}
+
+
+class DropinCheck(Part):
+    """:func:`drafter.quant.dropin.check_dropin`'s record."""
+
+    ok: bool | None = None
+    keys: int | None = None
+    kept: int | None = None
+    kept_hash_equal: int | None = None
+    problems: list[str] = []
+
+
+class VerifyResult(ResultFile):
+    """``verify.json`` of ``verify_fp8``: the release (dir, rule, block), the self-check, and — once the self-check
+    passed — the drop-in's checks and the vLLM load (``ok``, ``unsupported: …``, ``skipped …``, ``not run: …``)."""
+
+    NAME: ClassVar[str] = VERIFY_JSON
+    SORTED: ClassVar[bool] = False  # json.dumps(indent=2), in the document's order
+    release: dict
+    self_check: SelfCheck
+    dropin: DropinCheck | None = None
+    vllm_load: str | None = None
+
+
+def load_verify(stage_dir: str | Path) -> VerifyResult:
+    """The ``verify_fp8`` output's :class:`VerifyResult`."""
+    return VerifyResult.load(stage_dir)
+
+
+def save_verify(stage_dir: str | Path, doc: dict) -> dict:
+    """Write ``doc`` as ``stage_dir/verify.json`` (checked against :class:`VerifyResult`)."""
+    return VerifyResult.write(stage_dir, doc)

@@ -23,7 +23,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,9 @@ from drafter.core.config import BaselineConfig, ReleaseConfig, RetrainConfig
 from drafter.core.errors import StageError
 from drafter.core.store import Store, sha256_file
 from drafter.models.layouts import TRAINED_NAME
-from drafter.release.folder import RELEASE_JSON
+from drafter.evaluation.ab_live import NO_ENTRY, AbLiveResult, as_ab_live, primary, summary_of
+from drafter.evaluation.offline_result import OfflineResult
+from drafter.release.folder import RELEASE_JSON, ReleaseFile, ReleaseRecord
 
 KEPT = "champion kept"
 REPLACED = "champion replaced"
@@ -44,16 +45,17 @@ FIRST = "first release"
 class Champion:
     release_id: str
     source: str  # where it was read: "hub ORG/NAME@<commit>" or "store run <run id>"
-    release: dict  # its release.json
+    release: dict  # its release.json (:class:`~drafter.release.folder.ReleaseRecord` reads it)
     weights: Path  # a local, sha256-checked copy of its drafter file
     sha256: str
 
 
-def _drafter_entry(release: dict, where: str) -> dict:
-    for f in release.get("files") or []:
-        if f.get("path") == TRAINED_NAME:
+def _drafter_entry(release: ReleaseRecord, where: str) -> ReleaseFile:
+    for f in release.files:
+        if f.path == TRAINED_NAME:
             return f
-    raise StageError(f"{where}: release.json lists no {TRAINED_NAME} (the drafter file); cannot use it as the champion")
+    raise StageError(f"{where}: {RELEASE_JSON} lists no {TRAINED_NAME} (the drafter file); cannot use it as the "
+                     "champion")
 
 
 def _cached_copy(src: Path, sha256: str, release_id: str, cache_dir: Path, where: str) -> Path:
@@ -61,8 +63,8 @@ def _cached_copy(src: Path, sha256: str, release_id: str, cache_dir: Path, where
     the content, so the stage keys that record it are stable)."""
     got = sha256_file(src)
     if got != sha256:
-        raise StageError(f"{where}: {TRAINED_NAME} has sha256 {got}, its release.json says {sha256}: the champion's "
-                         "files do not match its record")
+        raise StageError(f"{where}: {TRAINED_NAME} has sha256 {got}, its {RELEASE_JSON} says {sha256}: the "
+                         "champion's files do not match its record")
     dst = Path(cache_dir).expanduser() / "champions" / release_id / TRAINED_NAME
     if not (dst.is_file() and sha256_file(dst) == sha256):
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -89,10 +91,10 @@ def champion_from_store(store: Store, name: str, cache_dir: str | Path,
                 warn(f"champion: {where} is no longer in the store; looking at earlier runs")
             continue
         folder = Path(art.path) / "release"
-        release = json.loads((folder / RELEASE_JSON).read_text())
+        release = ReleaseRecord.load(folder)
         entry = _drafter_entry(release, where)
-        w = _cached_copy(folder / TRAINED_NAME, entry["sha256"], release["release_id"], Path(cache_dir), where)
-        return Champion(release["release_id"], f"store run {run['run_id']}", release, w, entry["sha256"])
+        w = _cached_copy(folder / TRAINED_NAME, entry.sha256, release.release_id, Path(cache_dir), where)
+        return Champion(release.release_id, f"store run {run['run_id']}", release.raw, w, entry.sha256)
     return None
 
 
@@ -132,14 +134,14 @@ def champion_from_hub(cfg: ReleaseConfig, token: str, cache_dir: str | Path) -> 
         rel_path = download(RELEASE_JSON)
         if rel_path is None:
             return None
-        release = json.loads(rel_path.read_text())
+        release = ReleaseRecord.from_file(rel_path)
         where = f"hub {repo}@{sha[:12]}"
         entry = _drafter_entry(release, where)
         w = download(TRAINED_NAME)
         if w is None:
-            raise StageError(f"{where}: release.json lists {TRAINED_NAME} but the repo has no such file")
-        w = _cached_copy(w, entry["sha256"], release["release_id"], Path(cache_dir), where)
-        return Champion(release["release_id"], f"hub {repo}@{sha}", release, w, entry["sha256"])
+            raise StageError(f"{where}: {RELEASE_JSON} lists {TRAINED_NAME} but the repo has no such file")
+        w = _cached_copy(w, entry.sha256, release.release_id, Path(cache_dir), where)
+        return Champion(release.release_id, f"hub {repo}@{sha}", release.raw, w, entry.sha256)
     except _Transient as e:
         raise PublishError(f"reading the champion from {repo}: {e} (retry later)") from None
 
@@ -160,38 +162,22 @@ def baseline_for(champ: Champion, rc: RetrainConfig) -> BaselineConfig:
                           init=rc.start_from == "champion")
 
 
-def _offline_tau(ev: dict, who: str, k: int) -> float | None:
-    by_k = ((ev.get("drafters") or {}).get(who) or {}).get("t0", {}).get("tau_by_k") or []
-    return by_k[k - 1] if 1 <= k <= len(by_k) else None
-
-
-def _live(ab: dict | None, who: str) -> dict[str, Any]:
+def _live(ab: AbLiveResult | None, who: str) -> dict[str, Any]:
     """Live τ and tok/s at 1 user of ``who`` at the A/B's primary measurement (lowest temperature, greedy drafts)."""
-    if not (ab or {}).get("summary"):
+    if ab is None or not ab.summary:
         return {"tau_live": None, "tok_s_c1": None}
-    from drafter.evaluation.ab_live import parse_summary, primary
-
     t, m = primary(ab)
-    s = parse_summary(ab).get((t, who, m, 1)) or {}
-    return {"tau_live": s.get("tau"), "tok_s_c1": s.get("tok_s")}
+    s = summary_of(ab).get((t, who, m, 1), NO_ENTRY)
+    return {"tau_live": s.tau, "tok_s_c1": s.tok_s}
 
 
-def challenge(ab: dict | None, ev: dict, cfg: ReleaseConfig, champion_id: str | None = None,
-              no_live_reason: str | None = None) -> dict:
-    """The decision of a challenge (``ev``: the run's eval_offline.json, its baseline the champion; ``ab``:
-    its ab_live.json, None when ab_live was skipped for ``no_live_reason``).
-
-    Returns ``{"winner": "candidate"|"champion", "decision", "reasons", "k", "min_tau_gain",
-    "champion": {release_id, tau_offline, tau_live, tok_s_c1}, "candidate": {…}, "gate": {verdict, failed, checks}}``.
-    """
+def _gate(ab: AbLiveResult | None, ev: OfflineResult, cfg: ReleaseConfig, no_live_reason: str | None
+          ) -> tuple[dict, bool, list[str]]:
+    """The gate's decision against the champion (never forced), whether it counts as passed, and why not."""
     from drafter.evaluation.gate import gate_decision, gate_without_live
 
-    k = int(ab["num_speculative_tokens"]) if ab else cfg.ab_live.num_speculative_tokens
     gcfg = cfg.gate.model_copy(update={"force": False})
-    if ab is not None:
-        g = gate_decision(ab, ev, gcfg)
-    else:
-        g = gate_without_live(no_live_reason or "ab_live did not run", gcfg)
+    g = gate_decision(ab, ev, gcfg) if ab is not None else gate_without_live(no_live_reason or "ab_live did not run", gcfg)
     reasons: list[str] = []
     gate_ok = g["verdict"] == "pass"
     if not gate_ok and ab is None and cfg.gate.force:
@@ -200,7 +186,22 @@ def challenge(ab: dict | None, ev: dict, cfg: ReleaseConfig, champion_id: str | 
                        "rests on the offline comparison alone")
     elif not gate_ok:
         reasons += [f"gate check {c['name']} failed: {c['detail']}" for c in g["checks"] if not c["passed"]]
-    champ_tau, cand_tau = _offline_tau(ev, "baseline", k), _offline_tau(ev, "candidate", k)
+    return g, gate_ok, reasons
+
+
+def challenge(ab: AbLiveResult | dict | None, ev: OfflineResult | dict, cfg: ReleaseConfig,
+              champion_id: str | None = None, no_live_reason: str | None = None) -> dict:
+    """The decision of a challenge (``ev``: the run's eval_offline.json, its baseline the champion; ``ab``:
+    its ab_live.json, None when ab_live was skipped for ``no_live_reason``).
+
+    Returns ``{"winner": "candidate"|"champion", "decision", "reasons", "k", "min_tau_gain",
+    "champion": {release_id, tau_offline, tau_live, tok_s_c1}, "candidate": {…}, "gate": {verdict, failed, checks}}``.
+    """
+    ab = as_ab_live(ab) if ab is not None else None
+    ev = OfflineResult.of(ev)
+    k = int(ab.num_speculative_tokens) if ab else cfg.ab_live.num_speculative_tokens
+    g, gate_ok, reasons = _gate(ab, ev, cfg, no_live_reason)
+    champ_tau, cand_tau = ev.tau("baseline", "t0", k), ev.tau("candidate", "t0", k)
     gain = cfg.retrain.min_tau_gain
     if champ_tau is None or cand_tau is None:
         tau_ok = False

@@ -26,12 +26,16 @@ import shutil
 import struct
 import subprocess
 from pathlib import Path
+from typing import ClassVar
 
 from drafter.core.errors import StageError
 from drafter.core.stage import Artifact, canonical_json
 from drafter.core.store import sha256_file
+from drafter.core.results import Part, ResultFile
 from drafter.models.dspark import DSPARK_DIR
-from drafter.release.card import card_context, redact_obj, render_card, stage_reason
+from drafter.quant.layout import FP8_DIR
+from drafter.release.card import card_context, render_card, stage_reason
+from drafter.release.redact import redact_obj
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
 
 RELEASE_JSON = "release.json"
@@ -41,6 +45,41 @@ ASSETS = {("eval_offline", "tau_vs_k.png"): "assets/tau_vs_k.png",
           ("eval_offline", "acceptance_per_position.png"): "assets/acceptance_per_position.png",
           ("eval_offline", "reliability.png"): "assets/reliability.png",
           ("train", "curves.png"): "assets/train_curves.png"}
+
+
+class ReleaseFile(Part):
+    """One file of a release: its path in the folder, size and sha256 (``release.json`` itself has none)."""
+
+    path: str
+    size: int | None = None
+    sha256: str | None = None
+
+
+class ReleaseRecord(ResultFile):
+    """``release.json`` of a release folder: the release id, what it is, every file with its sha256, every metric
+    the card shows (``metrics``), the config, the stage keys, the target."""
+
+    NAME: ClassVar[str] = RELEASE_JSON
+    release_id: str
+    name: str | None = None
+    kind: str | None = None
+    repo_id: str | None = None
+    version: str | None = None
+    git_commit: str | None = None
+    files: list[ReleaseFile] = []
+    metrics: dict = {}
+    config: dict = {}
+    config_hash: str | None = None
+    stage_keys: dict[str, str] = {}
+    target: dict = {}
+
+
+def write_release_record(folder: Path, doc: dict) -> Path:
+    """Write ``doc`` (local paths redacted) as ``folder/release.json``; returns its path."""
+    ReleaseRecord.of(doc)
+    path = ReleaseRecord.path(folder)
+    path.write_text(json.dumps(redact_obj(doc), indent=2, sort_keys=True, default=str) + "\n")
+    return path
 
 
 def safetensors_summary(path: Path) -> tuple[int, str]:
@@ -68,6 +107,9 @@ def git_commit_of(repo_dir: str | Path) -> str | None:
 
 
 def _what(path: str, drafter_file: str) -> str:
+    from drafter.quant.dropin import ERROR_NAME  # torch: imported when a folder is built, not with this module
+    from drafter.quant.verify import VerifyResult
+
     if path == drafter_file:
         return "the fine-tuned drafter (release tensor names)"
     if path == f"{DSPARK_DIR}/config.json":
@@ -78,10 +120,10 @@ def _what(path: str, drafter_file: str) -> str:
         return f"the target's index with every drafter key pointed at `{drafter_file}`"
     return {"fp8/mtp-ft.safetensors": "FP8 drop-in: the fine-tuned drafter in the FP8 release's format",
             "fp8/model.safetensors.index.json": "the FP8 release's index with every drafter key pointed at `mtp-ft.safetensors`",
-            "fp8/fp8-error.json": "FP8 error per tensor (quantize_fp8)",
+            f"{FP8_DIR}/{ERROR_NAME}": "FP8 error per tensor (quantize_fp8)",
             DRAFT_VOCAB_FILE: "the draft vocabulary: the tokens the drafter proposes (put it next to the served model; "
                               "read by drafter-release's vLLM plugin, ignored by a vLLM without it)",
-            "fp8/verify.json": "FP8 self-check and drop-in checks (verify_fp8)",
+            f"{FP8_DIR}/{VerifyResult.NAME}": "FP8 self-check and drop-in checks (verify_fp8)",
             "assets/tau_vs_k.png": "plot: offline τ vs K",
             "assets/acceptance_per_position.png": "plot: offline acceptance per draft position",
             "assets/train_curves.png": "plot: training curves",
@@ -107,37 +149,22 @@ def _file_rows(out: Path, drafter_file: str) -> list[dict]:
     return rows
 
 
-def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version: str, git_commit: str | None,
-                         repo_id: str | None) -> dict:
-    """Write the release folder at ``out`` (absent or empty) from the finished stage outputs.
-
-    Returns ``{"release_id", "files": [{"path", "size", "sha256"}, …], "card": "README.md"}``.
-    Raises :class:`StageError` when ``out`` is not empty or the fine-tuned drafter is missing.
-    """
+def _copy_drafter(cfg, inputs: dict[str, Artifact], trained: Path, out: Path, kind: str) -> None:
+    """The fine-tuned drafter: a DSpark draft folder (config.json + model.safetensors, what vLLM loads), or the MTP
+    drafter + the target's index pointed at it (+ its draft vocabulary, when it has one)."""
     from safetensors import safe_open
 
     from drafter.models import TRAINED_NAME
     from drafter.models.target import target_dir
     from drafter.serving.served_model import drafter_index
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise StageError(f"release folder {out} is not empty: give a new or empty directory")
-    kind = "dspark" if cfg.dspark.enabled else "mtp"
-    why = stage_reason(inputs, "train")
-    drafter_file = f"{DSPARK_DIR}/model.safetensors" if kind == "dspark" else TRAINED_NAME
-    trained = Path(inputs["train"].path) / drafter_file if why is None else None
-    if trained is None or not trained.is_file():
-        raise StageError(f"no fine-tuned drafter to release: {why or f'{trained} is missing'}")
-    out.mkdir(parents=True, exist_ok=True)
-
-    if kind == "dspark":  # the draft folder vLLM loads (config.json + model.safetensors)
+    if kind == "dspark":
         shutil.copytree(trained.parent, out / DSPARK_DIR)
-    else:  # the drafter + the target's index pointed at it (+ its draft vocabulary, when it has one)
-        shutil.copyfile(trained, out / TRAINED_NAME)
-        if (trained.parent / DRAFT_VOCAB_FILE).is_file():
-            shutil.copyfile(trained.parent / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
-    if kind == "mtp" and stage_reason(inputs, "prepare_target") is None:
+        return
+    shutil.copyfile(trained, out / TRAINED_NAME)
+    if (trained.parent / DRAFT_VOCAB_FILE).is_file():
+        shutil.copyfile(trained.parent / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
+    if stage_reason(inputs, "prepare_target") is None:
         tindex = target_dir(inputs["prepare_target"]) / INDEX_NAME
         if tindex.is_file():
             with safe_open(str(trained), framework="pt") as f:
@@ -145,19 +172,21 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
             index = drafter_index(json.loads(tindex.read_text()), keys, TRAINED_NAME, what=TRAINED_NAME)
             (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
-    # FP8 drop-in and its reports
+
+def _copy_quantized(inputs: dict[str, Artifact], out: Path) -> None:
+    """The FP8 drop-in with its reports (JSON redacted), and the EXL3 form when produced (without its logs)."""
+    from drafter.quant.verify import VerifyResult
+
     if stage_reason(inputs, "quantize_fp8") is None:
-        src = Path(inputs["quantize_fp8"].path) / "fp8"
+        src = Path(inputs["quantize_fp8"].path) / FP8_DIR
         for p in sorted(src.iterdir()) if src.is_dir() else []:
             if p.suffix == ".json":
-                _copy_json_redacted(p, out / "fp8" / p.name)
+                _copy_json_redacted(p, out / FP8_DIR / p.name)
             else:
-                (out / "fp8").mkdir(exist_ok=True)
-                shutil.copyfile(p, out / "fp8" / p.name)
-        if stage_reason(inputs, "verify_fp8") is None and (Path(inputs["verify_fp8"].path) / "verify.json").is_file():
-            _copy_json_redacted(Path(inputs["verify_fp8"].path) / "verify.json", out / "fp8" / "verify.json")
-
-    # EXL3 when produced
+                (out / FP8_DIR).mkdir(exist_ok=True)
+                shutil.copyfile(p, out / FP8_DIR / p.name)
+        if stage_reason(inputs, "verify_fp8") is None and VerifyResult.exists(inputs["verify_fp8"].path):
+            _copy_json_redacted(VerifyResult.path(inputs["verify_fp8"].path), out / FP8_DIR / VerifyResult.NAME)
     if stage_reason(inputs, "quantize_exl3") is None:
         src = Path(inputs["quantize_exl3"].path) / "exl3"
         for p in sorted(x for x in src.rglob("*") if x.is_file()) if src.is_dir() else []:
@@ -170,6 +199,28 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
             else:
                 shutil.copyfile(p, dst)
 
+
+def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version: str, git_commit: str | None,
+                         repo_id: str | None) -> dict:
+    """Write the release folder at ``out`` (absent or empty) from the finished stage outputs.
+
+    Returns ``{"release_id", "files": [{"path", "size", "sha256"}, …], "card": "README.md"}``.
+    Raises :class:`StageError` when ``out`` is not empty or the fine-tuned drafter is missing.
+    """
+    from drafter.models import TRAINED_NAME
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise StageError(f"release folder {out} is not empty: give a new or empty directory")
+    kind = "dspark" if cfg.dspark.enabled else "mtp"
+    why = stage_reason(inputs, "train")
+    drafter_file = f"{DSPARK_DIR}/model.safetensors" if kind == "dspark" else TRAINED_NAME
+    trained = Path(inputs["train"].path) / drafter_file if why is None else None
+    if trained is None or not trained.is_file():
+        raise StageError(f"no fine-tuned drafter to release: {why or f'{trained} is missing'}")
+    out.mkdir(parents=True, exist_ok=True)
+    _copy_drafter(cfg, inputs, trained, out, kind)
+    _copy_quantized(inputs, out)
     for (stage, name), dst in ASSETS.items():
         if stage_reason(inputs, stage) is None and (Path(inputs[stage].path) / name).is_file():
             (out / dst).parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +232,7 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
              {"path": RELEASE_JSON, "size": None, "sha256": None, "what": _what(RELEASE_JSON, ""), "tensors": None,
               "dtypes": None}]
     ctx = card_context(cfg, inputs, files=rows, repo_id=repo_id, version=version, git_commit=git_commit)
-    card = render_card(ctx, kind=kind)
-    (out / CARD).write_text(str(card), encoding="utf-8")
+    (out / CARD).write_text(str(render_card(ctx, kind=kind)), encoding="utf-8")
 
     files = [{"path": r["path"], "size": r["size"], "sha256": r["sha256"]} for r in _file_rows(out, drafter_file)]
     release_id = hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:16]
@@ -191,7 +241,6 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
            "config_hash": ctx["provenance"]["config_hash"], "stage_keys": ctx["provenance"]["stage_keys"],
            "target": {k: ctx["target"][k] for k in ("name", "base_model", "license", "source", "revision",
                                                     "chat_template_sha256")}}
-    (out / RELEASE_JSON).write_text(json.dumps(redact_obj(doc), indent=2, sort_keys=True, default=str) + "\n")
-    rel = out / RELEASE_JSON
+    rel = write_release_record(out, doc)
     files.append({"path": RELEASE_JSON, "size": rel.stat().st_size, "sha256": sha256_file(rel)})
     return {"release_id": release_id, "files": sorted(files, key=lambda f: f["path"]), "card": CARD}

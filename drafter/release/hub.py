@@ -22,6 +22,9 @@ Safety rules (see DESIGN.md "Release (card + Hub)"):
   finds its PR merged tags the merge commit by itself.
 
 The token is only handed to ``HfApi``; no message or log line contains it.
+
+The publish stage records the plan in ``publish-plan.json`` (:data:`PUBLISH_PLAN_JSON`, :class:`PublishPlan`)
+and what happened in ``publish.json`` (:data:`PUBLISH_JSON`, :class:`PublishResult`).
 """
 from __future__ import annotations
 
@@ -32,11 +35,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from drafter.core.config import PublishConfig
 from drafter.core.errors import BadInputError, StageError
+from drafter.core.results import Part, ResultFile
 
+PUBLISH_PLAN_JSON = "publish-plan.json"
+PUBLISH_JSON = "publish.json"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _KEEP_REMOTE = {".gitattributes"}  # remote files a release never deletes
 _CHUNK = 1 << 20
@@ -58,6 +64,60 @@ class _Transient(Exception):
     def __init__(self, what: str, status: str):
         super().__init__(f"{what}: {status}")
         self.what, self.status = what, status
+
+
+# --- result files --------------------------------------------------------------------------------
+class PlannedFile(Part):
+    path: str
+    size: int
+    sha256: str
+
+
+class PublishPlan(ResultFile):
+    """``publish-plan.json``: :func:`make_plan`'s document (where and what would be sent)."""
+
+    NAME: ClassVar[str] = PUBLISH_PLAN_JSON
+    repo_id: str
+    endpoint: str | None = None
+    branch: str
+    mode: str
+    private: bool | None = None
+    tag: str | None = None
+    tag_at: str | None = None  # "commit", "merge" (PR mode), None without a tag
+    tag_command: str | None = None
+    tag_note: str | None = None
+    commit_message: str | None = None
+    commit_description: str | None = None
+    release_id: str
+    files: list[PlannedFile] = []
+    total_bytes: int = 0
+
+
+class PublishResult(ResultFile):
+    """``publish.json``: what happened — ``status`` ``dry_run`` (with the command that sends it), ``published`` or
+    ``already_published`` (:func:`publish_folder`'s result: commit, PR, tag or the tag waiting for the merge)."""
+
+    NAME: ClassVar[str] = PUBLISH_JSON
+    status: str
+    release_id: str | None = None
+    repo_id: str | None = None
+    send: str | None = None  # dry run: the command that sends it
+    branch: str | None = None
+    mode: str | None = None
+    endpoint: str | None = None
+    commit_sha: str | None = None
+    commit_url: str | None = None
+    pr_url: str | None = None
+    pr_num: int | None = None
+    tag: str | None = None
+    tag_pending: str | None = None
+    tag_command: str | None = None
+    tag_note: str | None = None
+
+
+def load_publish(stage_dir: str | Path) -> tuple[PublishPlan, PublishResult]:
+    """The ``publish`` output's plan and result."""
+    return PublishPlan.load(stage_dir), PublishResult.load(stage_dir)
 
 
 # --- local folder --------------------------------------------------------------------------------

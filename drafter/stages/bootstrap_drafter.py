@@ -21,7 +21,7 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.errors import StageSkipped
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir, target_info
-from drafter.training.run import run_dspark_training, run_training, tau_metrics
+from drafter.training.run import TrainResult, run_dspark_training, run_training, tau_metrics
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
@@ -36,8 +36,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     else:
         res = run_training(target_dir(inputs["prepare_target"]), inputs["capture"], c, out,
                            title=f"bootstrap: {c.loss}, K={c.k_steps}")
-    return {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
-            "seconds": round(res["seconds"], 1)}
+    res = TrainResult.of(res)
+    return {**tau_metrics(res), "tokens_per_s": round(res.tokens_per_s, 1), "trainable": res.trainable,
+            "seconds": round(res.seconds, 1)}
 
 
 STAGE = Stage(

@@ -20,8 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafter.data.capture import FORMAT, capture_rows, hidden_tensor_names
+from drafter.data.reports import CaptureReport
 from drafter.core.config import ReleaseConfig
-from drafter.core.files import iter_rows, list_shards, remove_partial_files, write_json_atomic
+from drafter.core.files import iter_rows, list_shards, remove_partial_files
 from drafter.core.errors import StageError
 from drafter.core.hardware import device_label, resolve_device
 from drafter.core.stage import Artifact, Metrics, Stage
@@ -44,7 +45,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     del rows
 
     metrics = res.metrics()
-    write_json_atomic(out / "report.json", {
+    CaptureReport.write(out, {
         "format": FORMAT,
         "target": {k: v for k, v in target_info(inputs["prepare_target"]).items() if isinstance(v, (str, int, float, bool, type(None)))},
         "tensors": ["input_ids", "loss_mask", "seq_offsets", *hidden_tensor_names(c.layers)],

@@ -36,10 +36,11 @@ from drafter.data.capture import capture_rows, load_target_model
 from drafter.data.heldout import (SETTING as HELDOUT_SETTING, describe_builtin, fingerprint, record_truncation,
                                   user_heldout)
 from drafter.core.config import ReleaseConfig
-from drafter.core.files import iter_rows, list_shards, write_json_atomic
+from drafter.core.files import iter_rows, list_shards
 from drafter.core.errors import BadInputError, StageError
 from drafter.evaluation.acceptance import window_block_alphas
 from drafter.evaluation.calibration import plot_reliability, reliability
+from drafter.evaluation.offline_result import save_eval_offline
 from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_block_cost,
                                         measure_draft_cost, plot_acceptance_per_position, plot_tau_vs_k,
                                         render_markdown)
@@ -50,7 +51,7 @@ from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from drafter.core.hardware import device_label, resolve_device
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.train import baseline_weights, released_draft
+from drafter.release.baselines import baseline_weights, released_draft
 from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
 
@@ -144,7 +145,7 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
         res["draft_cost_timing"] = cost
     calibration = {n: reliability(torch.cat(cs), torch.cat(ys)) for n, (cs, ys) in conf.items() if cs}
     res["calibration"] = calibration
-    write_json_atomic(out / "eval_offline.json", res)
+    save_eval_offline(out, res)
     md = render_markdown(res)
     if calibration:
         md += "\n### Confidence head calibration (held-out, outcome: accepted at T=0)\n\n| drafter | ECE | mean confidence | accepted |\n|---|---|---|---|\n"
@@ -231,7 +232,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     res["draft_vocab"] = {"candidate": draft_vocab, "baseline": None}
     if cost:
         res["draft_cost_timing"] = cost
-    write_json_atomic(out / "eval_offline.json", res)
+    save_eval_offline(out, res)
     (out / "eval_offline.md").write_text(render_markdown(res))
     plot_tau_vs_k(res, out / "tau_vs_k.png")
     plot_acceptance_per_position(res, out / "acceptance_per_position.png")

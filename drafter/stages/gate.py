@@ -13,36 +13,26 @@ Reports: ``gate`` (pass / forced), ``forced``, ``failed_checks``, live and offli
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
-from drafter.core.files import write_json_atomic
-from drafter.core.errors import StageError
-from drafter.evaluation.gate import GateRefused, gate_decision, gate_report, gate_without_live
 from drafter.core.stage import Artifact, Metrics, Stage
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise StageError(f"{path} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise StageError(f"{path}: not valid JSON ({e})") from e
+from drafter.evaluation.ab_live import load_ab_live
+from drafter.evaluation.gate import GateRefused, gate_decision, gate_report, gate_without_live, save_gate
+from drafter.evaluation.offline_result import load_eval_offline
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if inputs["ab_live"].status == "skipped":
         res = gate_without_live(inputs["ab_live"].manifest.get("reason") or "no reason recorded", cfg.gate)
     else:
-        ab = _read_json(inputs["ab_live"].path / "ab_live.json")
-        ev = _read_json(inputs["eval_offline"].path / "eval_offline.json")
+        ab = load_ab_live(inputs["ab_live"].path)
+        ev = load_eval_offline(inputs["eval_offline"].path)
         res = gate_decision(ab, ev, cfg.gate)
     report = gate_report(res)
     if res["verdict"] == "refused":
         raise GateRefused(report, result=res)
-    write_json_atomic(out / "gate.json", res)
+    save_gate(out, res)
     (out / "gate.md").write_text(report)
     metrics: Metrics = {"gate": res["verdict"], "forced": res["forced"], "checks": len(res["checks"]),
                         "failed_checks": len(res["failed"])}

@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
-from drafter.core.files import remove_partial_files, write_json_atomic
+from drafter.core.files import remove_partial_files
 from drafter.core.errors import StageError
 from drafter.data.generate import (
     backend_factory,
@@ -43,6 +43,7 @@ from drafter.data.generate import (
     thinking_modes,
 )
 from drafter.data.prompts import build_prompts
+from drafter.data.reports import GenerateSummary
 from drafter.data.scrub import scrub_conversations, scrubber_for
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.core.store import file_fingerprints
@@ -96,7 +97,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         summary["note"] = note = (f"generate.thinking={g.thinking!r}, but the chat template has no enable_thinking switch: "
                            "every row was generated in the template's only mode ('default')")
         log.warning(note)
-    write_json_atomic(out / "summary.json", summary)
+    GenerateSummary.write(out, summary)
     return {
         "rows": summary["rows"], "train_rows": summary["train_rows"], "heldout_rows": summary["heldout_rows"],
         "failed": summary["failed"], "requests": summary["requests"],

@@ -16,15 +16,14 @@ repo, commit sha, PR URL, tag — or ``dry_run``). Reports: ``status``, ``releas
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from drafter import __version__
 from drafter.core.config import ReleaseConfig
-from drafter.core.errors import BadInputError
-from drafter.core.files import write_json_atomic
+from drafter.core.errors import BadInputError, StageError
 from drafter.core.stage import Artifact, Metrics, Stage
+from drafter.evaluation.gate import GateResult, load_gate
 
 INPUTS = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train", "eval_offline",
           "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
@@ -42,25 +41,25 @@ def fill(pattern: str, cfg: ReleaseConfig, key: str) -> str:
 
 
 def check_gate(gate: Artifact | None) -> dict:
-    """The gate's verdict; refuses unless it passed or was forced."""
+    """The gate's document (``gate.json``, checked by :class:`GateResult`); refuses unless it passed or was forced."""
     if gate is None or gate.status != "done":
         why = gate.manifest.get("reason") if gate is not None else "the gate stage did not run"
         raise ReleaseRefused(f"publish: no gate verdict ({why}); a release is published only after the gate")
-    path = gate.path / "gate.json"
+    path = GateResult.path(gate.path)
     try:
-        res = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        res = load_gate(gate.path)
+    except StageError as e:
         raise ReleaseRefused(f"publish: cannot read the gate's verdict {path}: {e}") from e
-    if res.get("verdict") not in ("pass", "forced"):
-        raise ReleaseRefused(f"publish: the gate refused this release ({path}: verdict {res.get('verdict')!r}, failed "
-                             f"checks {res.get('failed')}); fix the drafter or set gate.force: true to release anyway")
-    return res
+    if res.verdict not in ("pass", "forced"):
+        raise ReleaseRefused(f"publish: the gate refused this release ({path}: verdict {res.verdict!r}, failed "
+                             f"checks {res.failed}); fix the drafter or set gate.force: true to release anyway")
+    return res.raw
 
 
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     from drafter.release.card import required_missing
     from drafter.release.folder import build_release_folder, git_commit_of
-    from drafter.release.hub import make_plan, publish_folder, read_token
+    from drafter.release.hub import PublishPlan, PublishResult, make_plan, publish_folder, read_token
 
     pc = cfg.publish
     check_gate(inputs.get("gate"))
@@ -78,7 +77,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     message = fill(pc.commit_message, cfg, key)
     tag = fill(pc.tag, cfg, key) if pc.tag else None
     plan = make_plan(folder, pc, message=message, tag=tag, release_id=release_id)
-    write_json_atomic(out / "publish-plan.json", plan)
+    PublishPlan.write(out, plan)
     metrics: Metrics = {"release_id": release_id, "files": len(plan["files"]), "bytes": plan["total_bytes"],
                         "card": "release/README.md"}
     if pc.dry_run:
@@ -90,7 +89,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         result = publish_folder(folder, pc, token=token, message=message, tag=tag, release_id=release_id)
         metrics |= {"repo": result["repo_id"], "commit": result["commit_sha"], "tag": result.get("tag"),
                     "pr_url": result.get("pr_url")}
-    write_json_atomic(out / "publish.json", result)
+    PublishResult.write(out, result)
     return {"status": result["status"], **{k: v for k, v in metrics.items() if v is not None}}
 
 

@@ -20,7 +20,6 @@ Reports: tensors, FP8 tensors, kept and cast tensors, the largest relative FP8 e
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -30,24 +29,12 @@ from drafter.models import TRAINED_NAME
 from drafter.core.progress import progress
 from drafter.quant.dropin import build_dropin
 from drafter.models.dspark import DSPARK_DIR
-from drafter.quant.standin import write_standin_dspark_release, write_standin_release
+from drafter.quant.layout import FP8_DIR, STANDIN_DIR, FP8ReleaseInfo
 from drafter.quant.release import open_release
+from drafter.quant.standin import write_standin_dspark_release, write_standin_release
+from drafter.release.baselines import released_draft, released_weights
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
-
-RELEASE_JSON = "release.json"
-STANDIN_DIR = "release"
-FP8_DIR = "fp8"
-
-
-def release_dir(quantize_fp8: Artifact, target: Path) -> Path:
-    """Where the release a ``quantize_fp8`` output was made against lives (stand-in, the target, or a
-    released DSpark draft folder)."""
-    info = json.loads((Path(quantize_fp8.path) / RELEASE_JSON).read_text())
-    if info["source"] == "stand-in":
-        return Path(quantize_fp8.path) / STANDIN_DIR
-    return Path(info["dir"]) if info.get("drafter") == "dspark" else target
-
 
 def _float_reader(path: Path):
     from safetensors import safe_open
@@ -61,8 +48,6 @@ def _float_reader(path: Path):
 def _dspark_release(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path):
     """(release, source, start reader, trained file) for a DSpark draft: the released folder's own FP8
     form when it has one, else — the demo's bootstrap — a stand-in written by the reference code."""
-    from drafter.stages.train import released_draft
-
     c = cfg.quantize_fp8
     trained = Path(inputs["train"].path) / DSPARK_DIR / "model.safetensors"
     if not trained.is_file():
@@ -90,8 +75,6 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     release = open_release(tdir)
     start = None
     if release is None:
-        from drafter.stages.train import released_weights
-
         released = released_weights(inputs["bootstrap_drafter"])
         if released is None:
             raise StageSkipped(f"the released drafter in {tdir} is not FP8 (no FP8 MTP tensors in its index): "
@@ -115,8 +98,8 @@ def _dropin(release, source: str, start, trained: Path, out: Path, tdir: Path, d
     if drafter == "dspark":  # the FP8 folder is a whole draft vLLM loads: its config (with quantization_config) too
         shutil.copyfile(release.dir / "config.json", out / FP8_DIR / "config.json")
     where = STANDIN_DIR if source == "stand-in" else str(release.dir if drafter == "dspark" else tdir)
-    (out / RELEASE_JSON).write_text(json.dumps({"source": source, "dir": where, "rule": release.rule,
-                                                "block": list(release.block), "drafter": drafter}, indent=2) + "\n")
+    FP8ReleaseInfo.write(out, {"source": source, "dir": where, "rule": release.rule, "block": list(release.block),
+                               "drafter": drafter})
     s = doc["summary"]
     return {"release": source, "rule": s["rule"], "block": "x".join(map(str, s["block"])), "tensors": s["tensors"],
             "fp8_tensors": s["fp8_tensors"], "kept_tensors": s["kept_tensors"], "cast_tensors": s["cast_tensors"],

@@ -20,13 +20,13 @@ Resumes: shards already written to ``out`` on an earlier try are kept.
 from __future__ import annotations
 
 from collections import Counter
-import json
 from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
-from drafter.core.files import iter_jsonl, list_shards, read_jsonl, remove_partial_files, write_json_atomic, write_jsonl_atomic
+from drafter.core.files import iter_jsonl, list_shards, read_jsonl, remove_partial_files, write_jsonl_atomic
 from drafter.core.errors import StageError
 from drafter.core.progress import progress
+from drafter.data.reports import ScrubReport, secrets_removed_by_generate
 from drafter.data.scrub import scrub_row, scrubber_for
 from drafter.core.stage import Artifact, Metrics, Stage
 
@@ -71,10 +71,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             bar.advance(1)
 
     kinds = scrubber.all_kinds
-    counts_input = _input_counts(inputs["generate"].path, kinds)
+    counts_input = secrets_removed_by_generate(inputs["generate"].path, kinds)
     counts_generated = {k: totals.get(k, 0) for k in kinds}
     counts_all = {k: counts_generated[k] + counts_input[k] for k in kinds}
-    write_json_atomic(out / "report.json", {
+    ScrubReport.write(out, {
         "kinds": kinds,
         "replacement": sc.replacement,
         "rows": rows,
@@ -91,16 +91,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     return metrics
 
 
-def _input_counts(generate_dir: Path, kinds: list[str]) -> dict[str, int]:
-    """Secrets `generate` removed from the user's conversations (its summary.json), per kind."""
-    summary = generate_dir / "summary.json"
-    found = json.loads(summary.read_text()).get("input_secrets_by_kind", {}) if summary.is_file() else {}
-    return {k: int(found.get(k, 0)) for k in kinds}
-
-
 STAGE = Stage(
     name="scrub",
-    version="2",  # 2: totals include generate's input counts (report.json counts_generated / counts_input)
+    version="2",  # 2: totals include generate's input counts (the report's counts_generated / counts_input)
     inputs=("generate",),
     sections=("scrub",),
     run=run,

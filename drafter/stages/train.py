@@ -23,71 +23,30 @@ from pathlib import Path
 
 from drafter.core.config import ReleaseConfig
 from drafter.core.errors import BadInputError
-from drafter.core.store import sha256_file
-from drafter.models import TRAINED_NAME
-from drafter.models.dspark import DSPARK_DIR
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
-from drafter.training.run import run_dspark_training, run_training, tau_metrics
+from drafter.release.baselines import baseline_label, init_weights, released_draft, released_weights
+from drafter.training.run import TrainResult, acceptance_table, run_dspark_training, run_training, tau_metrics
 
 
 CALIBRATION_FRACTION = 1 / 16  # of a DSpark fine-tune's conversations: the confidence head's calibration slice
 
 
-def released_weights(bootstrap: Artifact) -> Path | None:
-    """The bootstrap's tensors when it ran; None = the release inside the target checkpoint."""
-    return None if bootstrap.status == "skipped" else bootstrap.path / TRAINED_NAME
+def _metrics(res: TrainResult, loss: str) -> Metrics:
+    return {**tau_metrics(res), "tokens_per_s": round(res.tokens_per_s, 1), "trainable": res.trainable,
+            "seconds": round(res.seconds, 1), "loss": loss}
 
 
-def baseline_weights(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path | None:
-    """What the candidate is compared with: ``baseline.weights`` (a champion; its sha256 checked) when
-    set, else the released drafter (:func:`released_weights`)."""
-    b = cfg.baseline
-    if b.weights is None:
-        return released_weights(inputs["bootstrap_drafter"])
-    path = Path(b.weights).expanduser()
-    if not path.is_file():
-        raise BadInputError(f"baseline.weights {path} does not exist (the champion's drafter file)")
-    got = sha256_file(path)
-    if got != b.sha256:
-        raise BadInputError(f"baseline.weights {path}: sha256 {got} is not baseline.sha256 {b.sha256}; the file "
-                            "changed since the baseline was chosen")
-    return path
-
-
-def init_weights(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path | None:
-    """Where fine-tuning starts: the baseline when ``baseline.init`` (a retrain from its champion), else the released drafter."""
-    if cfg.baseline.weights is not None and cfg.baseline.init:
-        return baseline_weights(cfg, inputs)
-    return released_weights(inputs["bootstrap_drafter"])
-
-
-def baseline_label(cfg: ReleaseConfig) -> str:
-    """How reports name the baseline: ``released`` or ``champion <release id>``."""
-    b = cfg.baseline
-    return "released" if b.weights is None else f"champion {b.release_id or b.sha256[:16]}"
-
-
-def acceptance_table(rows: list[tuple[str, dict]]) -> str:
-    """Markdown table: held-out τ per drafter at T=0 and T=1 (the DeepSeek-V3 card's layout)."""
-    lines = ["| drafter | τ (T=0) | τ (T=1) |", "|---|---|---|"]
-    for name, acc in rows:
-        lines.append(f"| {name} | {acc['t0']['tau']:.3f} | {acc['t1_greedy']['tau']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def released_draft(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path:
-    """The released DSpark draft folder: ``dspark.released`` when set, else the bootstrap's."""
-    if cfg.dspark.released:
-        path = Path(cfg.dspark.released).expanduser()
-        if not (path / "config.json").is_file():
-            raise BadInputError(f"dspark.released {path} has no config.json (a DSpark draft folder as vLLM loads it)")
-        return path
-    boot = inputs["bootstrap_drafter"]
-    if boot.status == "skipped":
-        raise BadInputError("a DSpark fine-tune needs the released draft: set dspark.released to its folder "
-                            "(the bootstrap only stands in for it on the embedded target)")
-    return boot.path / DSPARK_DIR
+def _calibration_metrics(res: TrainResult) -> Metrics:
+    """The fine-tuned confidence head's Platt scaling (or why it was not done)."""
+    r = res.recalibration or {}
+    if "skipped" in r:
+        return {"calibration_skipped": r["skipped"]}
+    if not r:
+        return {}
+    return {"calibration_windows": r["windows"], "calibration_a": round(r["a"], 4),
+            "calibration_b": round(r["b"], 4), "calibration_ece_before": round(r["ece_before"], 4),
+            "calibration_ece_after": round(r["ece_after"], 4)}
 
 
 def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
@@ -97,26 +56,18 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> M
     model_dir = target_dir(inputs["prepare_target"])
     c, d = cfg.train, cfg.dspark
     weights = released_draft(cfg, inputs)
-    res = run_dspark_training(model_dir, inputs["capture"], c, d, out, weights=weights,
-                              title=f"DSpark fine-tune: {c.loss}, block {d.block_size}",
-                              calibration_fraction=CALIBRATION_FRACTION)
-    metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
-               "seconds": round(res["seconds"], 1), "loss": c.loss, "block_size": d.block_size}
-    r = res.get("recalibration") or {}
-    if "skipped" in r:
-        metrics["calibration_skipped"] = r["skipped"]
-    elif r:
-        metrics |= {"calibration_windows": r["windows"], "calibration_a": round(r["a"], 4),
-                    "calibration_b": round(r["b"], 4), "calibration_ece_before": round(r["ece_before"], 4),
-                    "calibration_ece_after": round(r["ece_after"], 4)}
-    rows = [("released", res["baseline"])]
+    res = TrainResult.of(run_dspark_training(model_dir, inputs["capture"], c, d, out, weights=weights,
+                                             title=f"DSpark fine-tune: {c.loss}, block {d.block_size}",
+                                             calibration_fraction=CALIBRATION_FRACTION))
+    metrics = _metrics(res, c.loss) | {"block_size": d.block_size} | _calibration_metrics(res)
+    rows = [("released", res.baseline)]
     for loss in cfg.ablation.losses:
-        ab = run_dspark_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), d,
-                                 out / "ablations" / loss, weights=weights, title=f"ablation: {loss}, block {d.block_size}",
-                                 calibration_fraction=CALIBRATION_FRACTION)
+        ab = TrainResult.of(run_dspark_training(
+            model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), d, out / "ablations" / loss,
+            weights=weights, title=f"ablation: {loss}, block {d.block_size}", calibration_fraction=CALIBRATION_FRACTION))
         metrics |= tau_metrics(ab, prefix=f"{loss}_")
-        rows.append((f"{loss} fine-tune", ab["final"]))
-    rows.append((f"{c.loss} fine-tune", res["final"]))
+        rows.append((f"{loss} fine-tune", ab.final))
+    rows.append((f"{c.loss} fine-tune", res.final))
     (out / "table.md").write_text(acceptance_table(rows))
     return metrics
 
@@ -127,18 +78,17 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     model_dir = target_dir(inputs["prepare_target"])
     weights = init_weights(cfg, inputs)
     c = cfg.train
-    res = run_training(model_dir, inputs["capture"], c, out, weights=weights,
-                       title=f"fine-tune: {c.loss}, K={c.k_steps}")
-    metrics = {**tau_metrics(res), "tokens_per_s": round(res["tokens_per_s"], 1), "trainable": res["trainable"],
-               "seconds": round(res["seconds"], 1), "loss": c.loss}
+    res = TrainResult.of(run_training(model_dir, inputs["capture"], c, out, weights=weights,
+                                      title=f"fine-tune: {c.loss}, K={c.k_steps}"))
+    metrics = _metrics(res, c.loss)
     start = "released" if weights == released_weights(inputs["bootstrap_drafter"]) else baseline_label(cfg)
-    rows = [(start, res["baseline"])]
+    rows = [(start, res.baseline)]
     for loss in cfg.ablation.losses:
-        ab = run_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}), out / "ablations" / loss,
-                          weights=weights, title=f"ablation: {loss}, K={c.k_steps}")
+        ab = TrainResult.of(run_training(model_dir, inputs["capture"], c.model_copy(update={"loss": loss}),
+                                         out / "ablations" / loss, weights=weights, title=f"ablation: {loss}, K={c.k_steps}"))
         metrics |= tau_metrics(ab, prefix=f"{loss}_")
-        rows.append((f"{loss} fine-tune", ab["final"]))
-    rows.append((f"{c.loss} fine-tune", res["final"]))
+        rows.append((f"{loss} fine-tune", ab.final))
+    rows.append((f"{c.loss} fine-tune", res.final))
     (out / "table.md").write_text(acceptance_table(rows))
     return metrics
 

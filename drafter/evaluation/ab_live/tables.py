@@ -1,0 +1,129 @@
+"""The A/B in Markdown: the stage's table (``ab_live.md``) and the per temperature and draft sampling matrix
+the gate, the report and the card show (see :mod:`drafter.evaluation.ab_live`)."""
+from __future__ import annotations
+
+from drafter.evaluation.ab_live.plan import DRAFTERS, compile_mode
+from drafter.evaluation.ab_live.results import (NO_ENTRY, AbLiveResult, SummaryEntry, SummaryKey, _ratio, as_ab_live,
+                                                matrix, primary, summary_of, temperatures)
+
+
+def _f(x, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _x(x: float | None) -> str:
+    return _f(x, ".2f") + ("×" if x is not None else "")
+
+
+def _rows(s: dict[SummaryKey, SummaryEntry]) -> list[tuple[float, str, str]]:
+    """(temperature, drafter, method) of a parsed summary in table order."""
+    return sorted({k[:3] for k in s}, key=lambda r: (r[0], DRAFTERS.index(r[1]), r[2]))
+
+
+def _speed_table(s: dict[SummaryKey, SummaryEntry], rows: list[tuple[float, str, str]], concurrency: list[int]) -> list[str]:
+    head = ["T", "drafter", "draft sampling", "live τ"]
+    for c in concurrency:
+        head += [f"tok/s c{c}", f"speedup c{c}", f"latency p50 c{c} (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t, d, m in rows:
+        c1 = s.get((t, d, m, min(concurrency)), NO_ENTRY)
+        cells = [f"{t:g}", d, "—" if m == "none" else m, _f(c1.tau, ".3f")]
+        for c in concurrency:
+            e, ref = s.get((t, d, m, c), NO_ENTRY), s.get((t, "none", "none", c), NO_ENTRY)
+            cells += [_f(e.tok_s, ".1f"), _x(_ratio(e.tok_s, ref.tok_s)), _f(e.latency_p50_s, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _server_table(s: dict[SummaryKey, SummaryEntry], rows: list[tuple[float, str, str]], concurrency: list[int]) -> list[str]:
+    if not any(e.decode_tok_s for e in s.values()):
+        return []
+    head = ["T", "drafter", "draft sampling"]
+    for c in concurrency:
+        head += [f"TTFT c{c} (s)", f"decode tok/s per user c{c}", f"decode speedup c{c}"]
+    lines = ["", "Server side (vLLM's request histograms; decode = the tokens after the first, prefill excluded):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t, d, m in rows:
+        cells = [f"{t:g}", d, "—" if m == "none" else m]
+        for c in concurrency:
+            e, ref = s.get((t, d, m, c), NO_ENTRY), s.get((t, "none", "none", c), NO_ENTRY)
+            cells += [_f(e.ttft_mean_s, ".3f"), _f(e.decode_tok_s, ".1f"), _x(_ratio(e.decode_tok_s, ref.decode_tok_s))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _notes(ab: AbLiveResult, s: dict[SummaryKey, SummaryEntry], rows: list[tuple[float, str, str]]) -> list[str]:
+    rounds = max((e.rounds for e in s.values()), default=0)
+    temps = temperatures(ab)
+    lines = [f"K = {ab.num_speculative_tokens} ({ab.method}), temperature{'s' if len(temps) > 1 else ''} "
+             f"{', '.join(f'{t:g}' for t in temps)}, vLLM {ab.engine_version}, servers "
+             f"{compile_mode(ab.compiled)}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
+             + (f" Every server ran with `{' '.join(ab.server_args)}`." if ab.server_args else "")]
+    if (dv := (ab.draft_vocab or {}).get("candidate")):
+        lines.append(f"The fine-tuned drafter drafts over {dv} tokens (its draft vocabulary, `train.draft_vocab_size`); "
+                     f"the released one over the whole vocabulary.")
+    replay = ab.replay
+    if replay is not None and replay.heldout:
+        lines.append(f"Replayed: {replay.turns} turns of {replay.conversations} conversations of the "
+                     f"{replay.heldout.text}.")
+    ll = ab.lossless
+    if ll:
+        verdict = "identical" if ll.ok else "DIFFERENT"
+        lines.append(f"Lossless at T=0: {ll.identical}/{ll.prompts} prompts {verdict} with and without speculation"
+                     + (f" (first mismatches: {ll.mismatches[:3]})" if ll.mismatches else "") + ".")
+    for m, why in (ab.unsupported or {}).items():
+        lines.append(f"Not measured: draft sampling `{m}`: {why}.")
+    if ab.baseline_at == "gate" and any(d == "candidate" and (t, "baseline", m) not in rows for t, d, m in rows):
+        t0, m0 = primary(ab)
+        lines.append(f"The released drafter ran at the gate's measurement only (T={t0:g}, {m0} drafts; "
+                     "`ab_live.baseline_at: gate`).")
+    return lines
+
+
+def ab_table(result: AbLiveResult | dict, concurrency: list[int]) -> str:
+    """Markdown: per temperature, drafter and draft sampling, live τ, tok/s and speedup vs no speculation (at the
+    same temperature) at each concurrency, per-request latency p50; then the lossless check and what was not
+    measured."""
+    ab = as_ab_live(result)
+    s = summary_of(ab)
+    rows = _rows(s)
+    lines = _speed_table(s, rows, concurrency) + _server_table(s, rows, concurrency)
+    return "\n".join(lines + [""] + _notes(ab, s, rows)) + "\n"
+
+
+def matrix_rows(ab: AbLiveResult | dict) -> list[dict]:
+    """The A/B per temperature and draft sampling: for each temperature a no-speculation row, then per method
+    the released and the fine-tuned drafter — ``{"temperature", "draft_sample_method" (None without
+    speculation), "drafter", "tau" (smallest concurrency), "by_concurrency": [{"concurrency", "tok_s",
+    "speedup"}]}``, the speedup against no speculation at the same temperature and concurrency."""
+    s = summary_of(ab)
+    conc = sorted({k[3] for k in s})
+    out = []
+    for t, methods in matrix(ab).items():
+        for d, m in [("none", "none")] + [(d, m) for m in methods for d in ("baseline", "candidate")]:
+            if not any((t, d, m, c) in s for c in conc):
+                continue
+            ref = {c: s.get((t, "none", "none", c), NO_ENTRY).tok_s for c in conc}
+            out.append({"temperature": t, "draft_sample_method": None if d == "none" else m, "drafter": d,
+                        "tau": s.get((t, d, m, conc[0]), NO_ENTRY).tau,
+                        "by_concurrency": [{"concurrency": c, "tok_s": s.get((t, d, m, c), NO_ENTRY).tok_s,
+                                            "speedup": _ratio(s.get((t, d, m, c), NO_ENTRY).tok_s, ref[c])}
+                                           for c in conc]})
+    return out
+
+
+def matrix_markdown(rows: list[dict], labels: dict[str, str] | None = None) -> str:
+    """Markdown of :func:`matrix_rows`: one row per temperature, draft sampling and drafter (``labels`` names the
+    drafters), live τ at the smallest concurrency, tok/s and speedup vs no speculation at each concurrency."""
+    if not rows:
+        return ""
+    conc = [e["concurrency"] for e in rows[0]["by_concurrency"]]
+    head = ["T", "draft sampling", "drafter", f"live τ (c{conc[0]})"]
+    head += [f"tok/s c{c}" for c in conc] + [f"speedup c{c}" for c in conc]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['temperature']:g}", r["draft_sample_method"] or "—", (labels or {}).get(r["drafter"], r["drafter"]),
+                 _f(r["tau"], ".3f")]
+        cells += [_f(e["tok_s"], ".1f") for e in r["by_concurrency"]] + [_x(e["speedup"]) for e in r["by_concurrency"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

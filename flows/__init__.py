@@ -1,1 +1,0 @@
-"""Prefect flows: `release` (end to end), `retrain` (scheduled), one flow per stage."""
