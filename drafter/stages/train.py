@@ -12,8 +12,9 @@ from ``dspark.released`` or the bootstrap's draft, block loss over ``dspark.anch
 1/16 of the fine-tune's conversations (:data:`CALIBRATION_FRACTION`) are not trained on: the confidence head
 is Platt-scaled on them after training (a head trained over several passes of its data is overconfident on
 unseen text: 0.062 held-out ECE after 600 steps over 480 windows, 2026-12-03).
-Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names; DSpark: ``dspark/``), ``curves.png``,
-``history.jsonl``, ``result.json``; ``ablations/<loss>/…`` likewise; ``table.md``.
+Writes: ``mtp-trained.safetensors`` (BF16/F32 under the release's names; DSpark: ``dspark/``),
+``draft_vocab.safetensors`` (with ``train.draft_vocab_size`` > 0), ``curves.png``, ``history.jsonl``,
+``result.json``; ``ablations/<loss>/…`` likewise; ``table.md``.
 Reports: held-out τ at T=0 and T=1 of the released and the fine-tuned drafter (and of each
 ablation), α per position, tokens/s.
 """

@@ -348,7 +348,7 @@ def _launch_child(model_dir: Path, capture, cfg: TrainConfig, out: Path, weights
     """Run this training in a fresh process and return its result; its output lines (progress, held-out
     checks) are passed on to ``log``. A fresh process because a long-lived one trains slower: after the
     float32 whole-vocabulary bootstrap, the draft-vocabulary fine-tune ran at 775 tok/s in the demo's
-    process against 1,268 alone (the allocator's state, README "Measured on the demo")."""
+    process against 1,268 alone (the allocator's state, docs/measurements.md, "The default: make demo")."""
     import collections
     import subprocess
 
