@@ -115,12 +115,12 @@ def retrain(config: ReleaseConfig | None = None, config_path: str | None = None,
     cfg.baseline = baseline_for(champ, cfg.retrain)
     trial = release(config=cfg, stages=CHALLENGE_STAGES)
     ab, ev, no_live = _challenge_inputs(cfg, store)
-    d = challenge(ab, ev, cfg, champ.release_id, no_live)
+    d = challenge(ab, ev, cfg, champ.release_id, no_live, champion_release=champ.release)
     d["champion"]["source"] = champ.source
     print(f"retrain: {d['decision']}: " + "; ".join(d["reasons"]))
     entry = {"at": datetime.now(timezone.utc).isoformat(), "release": cfg.name, "traffic_file": snapshot.name,
              "challenge_run": trial["run_id"], **{k: d[k] for k in ("decision", "winner", "reasons", "champion",
-                                                                    "candidate", "k", "min_tau_gain")},
+                                                                    "candidate", "k", "min_tau_gain", "speed")},
              "gate": {k: d["gate"][k] for k in ("verdict", "failed")}}
     result: dict[str, Any] = {**info, "traffic_file": snapshot.name, "decision": d["decision"], "challenge": d}
     if d["winner"] == "candidate":

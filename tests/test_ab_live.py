@@ -465,8 +465,10 @@ def test_ab_live_stage_on_vllm_cpu(tmp_path, tiny_target):
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
         "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 3, "rounds": 1, "max_tokens": 12,
                     "lossless_prompts": 3, "draft_sample_methods": ["greedy", "probabilistic"],
-                    "temperature": [1.0, 0.0], "server_args": ["--block-size", "32"], "baseline_at": "gate"},
-    })  # baseline_at=gate (the demo's): 4 servers; `all` (5) is covered on the fake engine below
+                    "temperature": [1.0, 0.0], "server_args": ["--block-size", "32"], "baseline_at": "gate",
+                    "k_sweep": [2], "schedule": False},
+    })  # baseline_at=gate (the demo's): 4 servers; `all` (5), the K sweep and the schedule server: on the fake
+    # engine below; the schedule served by vllm-cpu: test_vllm_cpu_serves_the_schedule
     out = tmp_path / "out"
     out.mkdir()
     m = run(cfg, _inputs(tmp_path, tiny_target, draft_vocab=[0]), out)
@@ -545,7 +547,8 @@ def test_stage_runs_the_matrix_one_server_per_drafter_and_method(tmp_path, monke
 
     calls, inputs = _fake_engine(monkeypatch, tmp_path)
     cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1, 2], "num_turns": 4, "rounds": 2,
-                                                    "lossless_prompts": 2, "temperature": [1, 0], "compiled": True}})
+                                                    "lossless_prompts": 2, "temperature": [1, 0], "compiled": True,
+                                                    "k_sweep": [2], "schedule": False}})
     out = tmp_path / "out"
     out.mkdir()
     m = run(cfg, inputs, out)
@@ -588,7 +591,8 @@ def test_stage_serves_the_fine_tuned_drafter_with_its_draft_vocabulary_and_the_r
     monkeypatch.setattr("drafter.stages.ab_live.baseline_weights", lambda cfg, inputs: tmp_path / "released.safetensors")
     vocab = save_draft_vocab(list(range(0, 64, 2)), inputs["train"].path / DRAFT_VOCAB_FILE)
     cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1], "num_turns": 2, "rounds": 1, "temperature": [0],
-                                                    "draft_sample_methods": ["greedy"]}})
+                                                    "draft_sample_methods": ["greedy"], "k_sweep": [2],
+                                                    "schedule": False}})
     out = tmp_path / "out"
     out.mkdir()
     run(cfg, inputs, out)
@@ -605,7 +609,8 @@ def test_stage_at_t_above_0_only_checks_losslessness_at_t0_on_its_own(tmp_path, 
     calls, inputs = _fake_engine(monkeypatch, tmp_path, methods=("greedy",))
     cfg = ReleaseConfig.model_validate({"serving": {"enforce_eager": False},
                                         "ab_live": {"concurrency": [1], "num_turns": 4, "rounds": 1,
-                                                    "lossless_prompts": 3, "temperature": 0.7}})
+                                                    "lossless_prompts": 3, "temperature": 0.7, "k_sweep": [2],
+                                                    "schedule": False}})
     out = tmp_path / "out"
     out.mkdir()
     m = run(cfg, inputs, out)
@@ -636,7 +641,8 @@ def test_stage_refuses_t_above_0_on_a_vllm_cpu_without_the_fix_before_starting_a
         run(cfg, inputs, tmp_path / "out")
     assert calls == [] and asked == [tmp_path / "python"]
     t0 = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1], "num_turns": 4, "rounds": 1,
-                                                   "lossless_prompts": 2, "temperature": [0]}})
+                                                   "lossless_prompts": 2, "temperature": [0], "k_sweep": [2],
+                                                   "schedule": False}})
     (tmp_path / "out0").mkdir()
     run(t0, inputs, tmp_path / "out0")
     assert len(asked) == 1 and [c[1] for c in calls if c[0] == "serve"] == ["none", "baseline-greedy", "candidate-greedy"]
@@ -678,3 +684,144 @@ def test_ab_serving_runs_compiled_or_eager_as_ab_live_says():
         assert base.enforce_eager is serving_eager  # the config itself is left as it was
         cfg = AbLiveConfig(compiled=None)
         assert cfg.eager(base) is serving_eager and AbLiveConfig(compiled=True).eager(base) is False
+
+
+def _sweep_fake(monkeypatch, tmp_path, refuse: str | None = None):
+    """The fake engine with speeds that depend on K and the users: speculation pays at few users, more with a larger
+    K, and costs at many (factor (1 + 0.3 K) / (1 + 0.1 K c) over no speculation). A schedule server serves the K its
+    ``num_speculative_tokens_per_batch_size`` gives at the concurrency; ``refuse`` makes it fail to start with
+    that line in its log."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import drafter.evaluation.ab_live.rounds as rounds
+    from drafter.serving.server import ServingError
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path, methods=("greedy",))
+
+    @contextlib.contextmanager
+    def serve(model_dir, serving, *, speculative_config, log_path, served_model_name):
+        name = log_path.stem.split("-", 2)[2]
+        calls.append(("serve", name, serving.enforce_eager, speculative_config, Path(model_dir)))
+        if refuse and "num_speculative_tokens_per_batch_size" in (speculative_config or {}):
+            log_path.write_text(f"INFO starting\nERROR 12-05 10:00:00 [core.py:1] {refuse}\n")
+            raise ServingError("vLLM exited before it was ready")
+        yield SimpleNamespace(name=name, spec=speculative_config, engine_version="0.32.0", startup_s=1.0)
+
+    def measure(srv, turns, *, concurrency, max_tokens, temperature, k=None, timeout_s=300.0, **kw):
+        if turns[0].conv_id == "warmup":
+            return {}
+        spec = srv.spec or {}
+        k = spec.get("num_speculative_tokens", 0)
+        for lo, hi, kk in spec.get("num_speculative_tokens_per_batch_size", []):
+            k = kk if lo <= concurrency <= hi else k
+        calls.append(("measure", srv.name, temperature, concurrency, k))
+        tok_s = 10.0 * concurrency * (1 + 0.3 * k) / (1 + 0.1 * k * concurrency)
+        return {"concurrency": concurrency, "requests": len(turns), "output_tokens": 100, "seconds": 100 / tok_s,
+                "tok_s": round(tok_s, 3), "latency_s": {"mean": 1.0, "p50": 1.0, "p90": 1.0}, "num_drafts": 10 * k,
+                "num_draft_tokens": 20 * k, "num_accepted_tokens": 5 * k, "accepted_per_pos": [1] * k,
+                "tau": 1.5 if k else None, "server": {}, "token_ids": [[1, 2, 3]] * len(turns)}
+
+    monkeypatch.setattr(rounds, "serve", serve)
+    monkeypatch.setattr(rounds, "measure", measure)
+    return calls, inputs
+
+
+def test_the_sweep_measures_each_k_and_serves_the_schedule_it_derives(tmp_path, monkeypatch):
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _sweep_fake(monkeypatch, tmp_path)
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1, 2, 4, 8], "num_turns": 8, "rounds": 1,
+                                                    "temperature": [0, 1], "draft_sample_methods": ["greedy"]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, inputs, out)
+    servers = [c[1] for c in calls if c[0] == "serve"]
+    # the sweep's other Ks (1, 3: 1 .. K+1) at T=0 only, after the plan's servers; then the schedule
+    assert servers == ["none", "baseline-greedy", "candidate-greedy", "candidate-k1-greedy", "candidate-k3-greedy",
+                       "schedule-greedy"]
+    measured = {(c[1], c[2]) for c in calls if c[0] == "measure"}
+    assert ("candidate-k1-greedy", 1.0) not in measured and ("candidate-greedy", 1.0) in measured
+    res = json.loads((out / "ab_live.json").read_text())
+    sc = res["schedule"]
+    # c1: K=3 1.46×; c2: K=3 1.19×; c4: every K below no speculation (K=1 0.93×); c8: K=0
+    assert [(ch["concurrency"], ch["k"]) for ch in sc["choices"]] == [(1, 3), (2, 3), (4, 0), (8, 0)]
+    assert sc["ranges"] == [[1, 2, 3], [3, 1024, 0]] and sc["pays_up_to"] == 2 and sc["served"] is True
+    assert sc["speculative_config"] == {"method": "mtp", "draft_sample_method": "greedy", "num_speculative_tokens": 3,
+                                        "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 1024, 0]]}
+    assert sc["sweep"]["1"] == {"0": [10.0], "1": [11.818], "2": [13.333], "3": [14.615]}
+    # the schedule server served K=3 at 1 and 2 users and no speculation at 4 and 8
+    assert [(c[3], c[4]) for c in calls if c[0] == "measure" and c[1] == "schedule-greedy"] == [(1, 3), (2, 3), (4, 0), (8, 0)]
+    assert m["speedup_c1_released"] == pytest.approx(1.4615) and m["speedup_c8_released"] == 1.0
+    assert m["schedule_served"] is True and m["speculation_pays_up_to"] == 2
+    assert m["speedup_c1_candidate"] == pytest.approx(1.3333)  # the served K (2) keeps the plain names
+    md = (out / "ab_live.md").read_text()
+    assert "| 1 | 10.0 | 11.8 | 13.3 | 14.6 | 3 | 14.6 | 14.6 | 1.46× | K=3 |" in md
+    assert "| 8 | 80.0 | 57.8 | 49.2 | 44.7 | 0 | 80.0 | 80.0 | 1.00× | no speculation |" in md
+    assert "Speculation pays up to 2 concurrent users on this hardware." in md
+
+
+def test_a_schedule_the_engine_refuses_is_recorded_with_its_reason(tmp_path, monkeypatch):
+    from drafter.evaluation.ab_live import AbLiveResult, released_speeds
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _sweep_fake(monkeypatch, tmp_path, refuse="ValueError: num_speculative_tokens_per_batch_size is "
+                                "not supported on CPU")
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1, 8], "num_turns": 8, "rounds": 1,
+                                                    "temperature": [0], "draft_sample_methods": ["greedy"]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, inputs, out)  # the stage goes on: the schedule's speed comes from the fixed-K servers
+    ab = AbLiveResult.load(out)
+    assert ab.schedule.served is False
+    assert ab.schedule.refusal == "ValueError: num_speculative_tokens_per_batch_size is not supported on CPU"
+    speeds = released_speeds(ab)
+    assert speeds[1].k == 3 and speeds[1].tok_s == pytest.approx(14.615) and speeds[8].tok_s == 80.0
+    assert "not served" in speeds[1].source and m["schedule_served"] is False
+    assert "not served here (ValueError: num_speculative_tokens_per_batch_size" in (out / "ab_live.md").read_text()
+
+
+def test_no_schedule_server_when_speculation_pays_nowhere(tmp_path, monkeypatch):
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _sweep_fake(monkeypatch, tmp_path)
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [4, 8], "num_turns": 8, "rounds": 1,
+                                                    "temperature": [0], "draft_sample_methods": ["greedy"]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    run(cfg, inputs, out)
+    assert "schedule-greedy" not in [c[1] for c in calls if c[0] == "serve"]
+    sc = json.loads((out / "ab_live.json").read_text())["schedule"]
+    assert sc["speculative_config"] is None and sc["ranges"] == [[1, 1024, 0]] and sc["pays_up_to"] == 0
+    assert "pays at no measured concurrency" in (out / "ab_live.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_cpu_serves_the_schedule(tmp_path, tiny_target):
+    """vllm-cpu serves ``num_speculative_tokens_per_batch_size``, through the stage's schedule server: with
+    speculation off for one or two requests in a batch and K=2 at three, one user gets no draft at all (the counters
+    say so) and three users get drafts."""
+    from drafter.evaluation.ab_live.plan import ReplayTurn, ab_serving
+    from drafter.evaluation.ab_live.rounds import AbDrafters, Engine, Measured, _schedule_server
+    from drafter.core.progress import progress
+
+    cfg = ReleaseConfig.model_validate({
+        "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
+        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 3], "num_turns": 3, "rounds": 1, "max_tokens": 12,
+                    "draft_sample_methods": ["greedy"], "temperature": [0]}})
+    c = cfg.ab_live
+    turns = [ReplayTurn(f"conv-{i}", "agent", 1, [{"role": "user", "content": f"Count to {i + 3}."}]) for i in range(3)]
+    m = Measured(version="0.32")
+    sweep = {1: {0: 14.0, 2: 10.0}, 3: {0: 20.0, 2: 30.0}}  # K=2 costs at 1 user and pays at 3
+    m.runs = [{"drafter": "none" if k == 0 else "candidate", "draft_sample_method": None if k == 0 else "greedy",
+               "temperature": 0.0, "round": 1, "concurrency": conc, "tok_s": tok} for conc, by in sweep.items()
+              for k, tok in by.items()]
+    with progress("schedule", total=2, unit="runs") as bar:
+        _schedule_server(c, ab_serving(cfg.serving, [], compiled=False), AbDrafters(tiny_target), turns,
+                         {0.0: ["greedy"]}, Engine("0.32", ["greedy", "probabilistic"], None), tmp_path / "logs",
+                         tmp_path / "served", m, bar)
+    assert m.schedule["ranges"] == [[1, 2, 0], [3, 3, 2], [4, 1024, 0]] and m.schedule["served"] is True, m.schedule
+    runs = {r["concurrency"]: r for r in m.runs if r["drafter"] == "schedule"}
+    assert runs[1]["requests"] == 3 and runs[1]["num_drafts"] == 0, runs[1]  # a batch of one: never speculates
+    assert runs[3]["num_drafts"] > 0 and runs[3]["num_draft_tokens"] == 2 * runs[3]["num_drafts"], runs[3]

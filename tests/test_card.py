@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 from pathlib import Path
@@ -18,8 +19,10 @@ from huggingface_hub import ModelCard
 
 from drafter.core.config import ReleaseConfig
 from drafter.core.stage import Artifact
+from drafter.evaluation.ab_live import schedule_json
 from drafter.release.card import NOT_MEASURED, card_context, redact_local, render_card, required_missing
 from drafter.release.folder import build_release_folder
+from drafter.release.redact import redact_obj
 
 RULES = {"T=0 (greedy target)": "t0", "T=1, greedy drafts (vLLM default)": "t1_greedy",
          "T=1, probabilistic drafts": "t1_prob"}
@@ -239,7 +242,9 @@ def test_live_table_equals_the_stage_json(release):
     inputs, md = release["fs"]["inputs"], release["md"]
     ab = read(inputs["ab_live"], "ab_live.json")
     rows = table(section(md, "## Live A/B"))
-    names = {"no speculation": "none", "released": "baseline", "fine-tuned": "candidate"}
+    names = {"no speculation": "none", "released": "baseline", "fine-tuned": "candidate",
+             "schedule (released configuration)": "schedule"}
+    names |= {f"fine-tuned, K={k}": f"candidate-k{k}" for k in range(1, 17)}  # the sweep's other Ks
     assert len(rows) == len(ab["summary"])
     for r in rows:
         key = f"t{r['T']}/{names[r['drafter']]}/{'none' if r['draft sampling'] == '—' else r['draft sampling']}/c{r['users']}"
@@ -284,15 +289,25 @@ def test_usage_block_and_index(release):
     out, md = release["out"], release["md"]
     usage = section(md, "## Usage")
     blocks = re.findall(r"```bash\n(.*?)```", usage, re.S)
-    assert len(blocks) == 1 and usage.count("```") == 2
-    lines = blocks[0].strip().splitlines()
+    # the A/B's schedule is the usage line's --speculative-config; where speculation paid nowhere, the target is
+    # served without it first and the drafter's block (the fixed K) follows, at the reader's own risk
+    sched = read(release["fs"]["inputs"]["ab_live"], "ab_live.json").get("schedule")
+    nowhere = bool(sched) and sched["speculative_config"] is None
+    assert len(blocks) == 1 + nowhere and usage.count("```") == 2 * len(blocks)
+    if nowhere:
+        assert blocks[0].strip().splitlines()[-1].startswith('vllm serve "$TARGET" --dtype float32')
+        assert "--speculative-config" not in blocks[0]
+    want = sched["speculative_config"] if sched and not nowhere else {"method": "mtp", "num_speculative_tokens": 2}
+    lines = blocks[-1].strip().splitlines()
     assert lines[0].startswith("hf download test-org/tiny-mtp --local-dir drafter")
     assert lines[1].startswith("TARGET=/path/to/")
     assert lines[2] == 'mkdir served && ln -s "$TARGET"/* served/ && rm served/model.safetensors.index.json'
     # the drafter's draft vocabulary (train.draft_vocab_size 64 in the finished store) goes next to it
     assert lines[3] == "cp drafter/mtp-trained.safetensors drafter/model.safetensors.index.json drafter/draft_vocab.safetensors served/"
     assert "`draft_vocab.safetensors` holds the 64 tokens the drafter proposes" in usage
-    assert lines[4].startswith("""vllm serve served --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'""")
+    assert lines[4].startswith(f"vllm serve served --speculative-config '{schedule_json(want)}'")
+    argv = shlex.split(lines[4])
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == want
     assert "--dtype float32 --max-model-len 1024" in lines[4] and "--port" not in lines[4]
     from safetensors import safe_open
 
@@ -325,7 +340,9 @@ def test_files_table_matches_the_files(release):
     assert rel["release_id"] == res["release_id"] and {f["path"] for f in rel["files"]} == set(on_disk) - {"release.json"}
     assert set(rel["stage_keys"]) >= {"train", "gate", "ab_live"} and rel["metrics"]["live"]["summary"]
     assert {"fp8/mtp-ft.safetensors", "fp8/model.safetensors.index.json", "fp8/fp8-error.json", "fp8/verify.json",
-            "assets/tau_vs_k.png", "assets/train_curves.png", "draft_vocab.safetensors"} <= set(on_disk)
+            "assets/tau_vs_k.png", "assets/train_curves.png", "assets/tok_s_vs_concurrency.png",
+            "draft_vocab.safetensors"} <= set(on_disk)
+    assert rel["schedule"] == redact_obj(read(release["fs"]["inputs"]["ab_live"], "ab_live.json").get("schedule"))
     assert "the draft vocabulary" in rows["draft_vocab.safetensors"]["what it is"]
     assert re.search(r"- draft vocabulary: 64 of \d+ tokens .*; \d+\.\d % of the held-out", md)
 

@@ -24,10 +24,11 @@ def ev(champ: list[float], cand: list[float]) -> dict:
                          for w, taus in (("baseline", champ), ("candidate", cand))}}
 
 
-def ab(champ_tau: float, cand_tau: float, champ_tok: float = 10.0, cand_tok: float = 10.0, k: int = 2) -> dict:
+def ab(champ_tau: float, cand_tau: float, champ_tok: float = 10.0, cand_tok: float = 10.0, k: int = 2,
+       none_tok: float = 9.0) -> dict:
     return {"num_speculative_tokens": k, "temperature": 0.0,
             "lossless": {"prompts": 2, "identical": 2, "ok": True, "mismatches": []},
-            "summary": {"none/none/c1": {"tau": None, "tok_s": 9.0},
+            "summary": {"none/none/c1": {"tau": None, "tok_s": none_tok},
                         "baseline/greedy/c1": {"tau": champ_tau, "tok_s": champ_tok},
                         "candidate/greedy/c1": {"tau": cand_tau, "tok_s": cand_tok}}}
 
@@ -65,7 +66,7 @@ def test_an_equal_candidate_keeps_the_champion_and_so_does_one_below_min_tau_gai
 
 
 def test_a_candidate_better_offline_but_slower_live_is_refused_by_the_gate_rules():
-    d = challenge(ab(1.2, 1.3, champ_tok=10.0, cand_tok=8.0), ev([1, 1.2], [1, 1.3]), cfg(), "c")
+    d = challenge(ab(1.2, 1.3, champ_tok=10.0, cand_tok=8.0, none_tok=7.0), ev([1, 1.2], [1, 1.3]), cfg(), "c")
     assert d["winner"] == "champion" and d["gate"]["failed"] == ["tok_s/greedy/c1"]
     assert any(r.startswith("gate check tok_s/greedy/c1 failed: candidate 8.0 tok/s vs baseline 10.0") for r in d["reasons"])
     md = decision_markdown("demo", d, "5 new conversation(s)")
@@ -84,6 +85,106 @@ def test_gate_force_never_lets_a_worse_candidate_through():
     assert d["winner"] == "candidate" and "offline comparison alone" in d["reasons"][0]
     d = challenge(None, ev([1, 1.3], [1, 1.2]), cfg(gate={"force": True}), "c", "no vLLM")
     assert d["winner"] == "champion"
+
+
+# --------------------------------------------------------------------------- the schedules' tokens/s
+
+
+def _run(drafter: str, c: int, r: int, tok_s: float) -> dict:
+    tau = None if drafter == "none" else (1.2 if drafter == "baseline" else 1.26)
+    return {"drafter": drafter, "draft_sample_method": None if drafter == "none" else "greedy", "temperature": 0.0,
+            "concurrency": c, "round": r, "tok_s": tok_s * (1 + 0.01 * (r - 0.5)), "tau": tau,
+            "latency_s": {"p50": 1.0}, "num_drafts": 0 if tau is None else 100,
+            "accepted_per_pos": [] if tau is None else [20, 6]}
+
+
+def sched_ab(tok: dict[int, dict[str, float]], served_k: int = 2) -> dict:
+    """An ab_live.json with a concurrency × K sweep and its schedule, served: ``tok`` is c → drafter → tok/s, the
+    drafters ``none``, ``baseline`` (the champion at the served K), ``candidate`` (the served K), ``candidate-k<K>``
+    (the sweep's other Ks) and ``schedule`` (the schedule server)."""
+    from drafter.evaluation.ab_live import schedule_record, summarize, sweep_of
+
+    runs = [_run(d, c, r, t) for c, by_d in tok.items() for d, t in by_d.items() for r in (0, 1)]
+    rec = schedule_record(sweep_of(runs, 0.0, "greedy", served_k), 0.02, {"method": "mtp"}, temperature=0.0,
+                          method="greedy") | {"served": True}
+    return {"num_speculative_tokens": served_k, "temperature": 0.0, "runs": runs, "summary": summarize(runs),
+            "lossless": {"prompts": 2, "identical": 2, "ok": True, "mismatches": []}, "schedule": rec}
+
+
+def champion_release(ranges: list[list[int]] | None) -> dict:
+    rel = {"release_id": "champ1", "files": []}
+    return rel if ranges is None else rel | {"schedule": {"ranges": ranges, "served": True}}
+
+
+FAST = {1: {"none": 40.0, "baseline": 50.0, "candidate": 55.0, "candidate-k1": 45.0, "schedule": 54.0},
+        4: {"none": 120.0, "baseline": 130.0, "candidate": 140.0, "candidate-k1": 135.0, "schedule": 139.0},
+        8: {"none": 200.0, "baseline": 170.0, "candidate": 178.0, "candidate-k1": 230.0, "schedule": 228.0}}
+OFFLINE = ev([1.0, 1.20, 1.3], [1.0, 1.25, 1.4])
+
+
+def test_a_candidate_schedule_faster_than_the_champions_everywhere_wins():
+    a = sched_ab(FAST)
+    assert a["schedule"]["ranges"] == [[1, 4, 2], [5, 8, 1], [9, 1024, 0]]
+    d = challenge(a, OFFLINE, cfg(), "champ1", champion_release=champion_release([[1, 4, 2], [5, 1024, 0]]))
+    assert d["gate"]["verdict"] == "pass" and d["winner"] == "candidate", d["reasons"]
+    rows = {r["concurrency"]: r for r in d["speed"]}
+    assert [(c, r["candidate_tok_s"], r["candidate_k"], r["champion_tok_s"], r["champion_k"], r["ok"])
+            for c, r in rows.items()] == [(1, 54.0, 2, 50.0, 2, True), (4, 139.0, 2, 130.0, 2, True),
+                                          (8, 228.0, 1, 200.0, 0, True)]
+    assert "no speculation's tok/s this run" in rows[8]["note"] and "K=0 for 5–1024 users" in rows[8]["note"]
+    assert any(r.startswith("tok/s (tolerance 5%): the candidate's released configuration is not slower") and
+               "c8 228.0 vs 200.0 (K=1 vs K=0)" in r for r in d["reasons"]), d["reasons"]
+    md = decision_markdown("demo", d, "n")
+    assert "| users | candidate tok/s (K) | champion tok/s (K) | not slower | note |" in md
+    assert "| 8 | 228.0 (1) | 200.0 (0) | yes |" in md
+
+
+def test_a_candidate_slower_at_8_users_than_the_champions_schedule_keeps_the_champion():
+    """The champion's schedule turns speculation off at 8 users: it is compared with no speculation there."""
+    # the sweep has K=1 paying at 8 users (210 vs 200), but the served schedule gives 186 there
+    slow = FAST | {8: {"none": 200.0, "baseline": 170.0, "candidate": 178.0, "candidate-k1": 210.0, "schedule": 186.0}}
+    d = challenge(sched_ab(slow), OFFLINE, cfg(), "champ1",
+                  champion_release=champion_release([[1, 4, 2], [5, 1024, 0]]))
+    assert d["winner"] == "champion" and d["decision"] == KEPT
+    assert [r["concurrency"] for r in d["speed"] if not r["ok"]] == [8]
+    why = [r for r in d["reasons"] if r.startswith("tok/s at")]
+    assert len(why) == 1 and why[0].startswith("tok/s at c8 (8 users): candidate 186.0 (K=1) vs champion 200.0 (K=0")
+    assert "must be ≥ 190.0, tolerance 5%" in why[0]
+    assert "| 8 | 186.0 (1) | 200.0 (0) | **no** |" in decision_markdown("demo", d, "n")
+
+
+def test_a_champion_release_without_a_schedule_is_its_fixed_k():
+    d = challenge(sched_ab(FAST), OFFLINE, cfg(), "champ1", champion_release=champion_release(None))
+    assert d["winner"] == "candidate"
+    assert [(r["champion_k"], r["champion_tok_s"]) for r in d["speed"]] == [(2, 50.0), (2, 130.0), (2, 170.0)]
+    assert all("fixed K=2 (its release has no schedule)" == r["note"] for r in d["speed"])
+    # no champion_release at all (a caller that does not pass it): the same
+    assert challenge(sched_ab(FAST), OFFLINE, cfg(), "champ1")["speed"] == d["speed"]
+
+
+def test_the_schedule_comparison_alone_can_keep_the_champion():
+    """Every gate check passes (each within its tolerance), but the served schedule at 8 users is below the
+    champion's fixed K beyond the tolerance: the champion stays."""
+    tight = FAST | {8: {"none": 150.0, "baseline": 200.0, "candidate": 195.0, "candidate-k1": 180.0, "schedule": 186.0}}
+    d = challenge(sched_ab(tight), OFFLINE, cfg(), "champ1", champion_release=champion_release(None))
+    assert d["gate"]["verdict"] == "pass" and d["winner"] == "champion"
+    assert any(r.startswith("tok/s at c8 (8 users): candidate 186.0 (K=2) vs champion 200.0 (K=2") for r in d["reasons"])
+
+
+def test_a_champion_k_not_measured_this_run_is_stood_in_for_by_the_served_k():
+    d = challenge(sched_ab(FAST), OFFLINE, cfg(), "champ1", champion_release=champion_release([[1, 1, 2], [2, 1024, 3]]))
+    rows = {r["concurrency"]: r for r in d["speed"]}
+    assert rows[1]["champion_k"] == 2 and "stands in" not in rows[1]["note"]
+    assert rows[4]["champion_k"] == 3 and rows[4]["champion_tok_s"] == 130.0
+    assert "K=3 was not measured for the champion this run: its K=2 tok/s stands in" in rows[4]["note"]
+
+
+def test_without_a_live_ab_the_speed_comparison_is_waived():
+    d = challenge(None, OFFLINE, cfg(gate={"force": True}), "c", "no vLLM",
+                  champion_release=champion_release([[1, 1024, 2]]))
+    assert d["winner"] == "candidate" and d["speed"] == []
+    assert "no live A/B (no vLLM): the tok/s comparison with the champion's schedule is waived" in d["reasons"]
+    assert "not slower" not in decision_markdown("demo", d, "n")
 
 
 def _release_folder(root: Path, payload: bytes = b"drafter-bytes") -> tuple[Path, str]:

@@ -189,3 +189,17 @@ def test_seed_configs_load_and_validate(name):
         assert (cfg.quantize_fp8.scale, cfg.quantize_fp8.block) == ("ue8m0", [32, 32])
         assert (cfg.quantize_exl3.bits, cfg.quantize_exl3.overrides) == (5.0, {"main_proj": 6.0})
         assert cfg.ab_live.num_speculative_tokens == cfg.dspark.block_size
+
+
+def test_ab_live_sweep_settings_default_and_bad_values_are_named(tmp_path):
+    a = load_config(write(tmp_path, {})).ab_live
+    assert a.concurrency == [1, 2, 4, 8] and a.ks() == [1, 2, 3] and a.schedule is True
+    assert a.concurrency_at(0.0) == [1, 2, 4, 8]
+    b = load_config(write(tmp_path, {"ab_live": {"num_speculative_tokens": 4, "k_sweep": [3, 1, 3],
+                                                 "temperature": [0, 1], "concurrency_other_temperatures": [8, 1]}})).ab_live
+    assert b.k_sweep == [1, 3] and b.ks() == [1, 3, 4]  # the served K is always measured
+    assert b.concurrency_at(0.0) == [1, 2, 4, 8] and b.concurrency_at(1.0) == [1, 8]
+    with pytest.raises(ConfigError, match=r"ab_live\.k_sweep.*every K must be 1\.\.16.*\[0, 2\]"):
+        load_config(write(tmp_path, {"ab_live": {"k_sweep": [0, 2]}}))
+    with pytest.raises(ConfigError, match=r"concurrency_other_temperatures \[16\] must name some of concurrency"):
+        load_config(write(tmp_path, {"ab_live": {"concurrency_other_temperatures": [16]}}))

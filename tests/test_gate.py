@@ -98,7 +98,7 @@ def test_improvement_passes(tmp_path):
     assert res["verdict"] == "pass" and res["forced"] is False and res["failed"] == []
     names = [c["name"] for c in res["checks"]]
     assert names == ["lossless", "tau/greedy/c1", "tok_s/greedy/c1", "live_vs_offline/greedy/c1",
-                     "tau/greedy/c8", "tok_s/greedy/c8", "live_vs_offline/greedy/c8"]
+                     "tau/greedy/c8", "tok_s/greedy/c8", "live_vs_offline/greedy/c8", "no_spec/c1", "no_spec/c8"]
     tau1 = res["checks"][1]
     assert (tau1["value"], tau1["reference"]) == (1.72, 1.60) and tau1["threshold"] == pytest.approx(1.60 * 0.98)
     lvo = res["checks"][3]  # live 1.72 / offline t0 τ(K=4) 1.85
@@ -208,7 +208,7 @@ def test_live_checks_use_the_lowest_temperature_and_the_others_are_listed(tmp_pa
                  other={(1.0, "greedy"): (1.50, 1.40, slower), (1.0, "probabilistic"): (1.55, 1.45, slower)})
     res = gate_decision(ab, eval_offline(), GateConfig())
     assert res["verdict"] == "pass" and res["temperature"] == 0.7
-    assert {c["name"].split("/", 1)[1] for c in res["checks"][1:]} == {"greedy/c1", "greedy/c8",
+    assert {c["name"].split("/", 1)[1] for c in res["checks"][1:] if not c["name"].startswith("no_spec/")} == {"greedy/c1", "greedy/c8",
                                                                          "probabilistic/c1", "probabilistic/c8"}
     assert "(t1_prob, K=4)" in {c["name"]: c for c in res["checks"]}["live_vs_offline/probabilistic/c1"]["detail"]
     # the same slower drafter at the lowest temperature is refused
@@ -266,3 +266,99 @@ def test_skipped_live_ab_refuses_unless_forced(tmp_path):
     assert m["gate"] == "forced" and m["failed"] == "live"
     doc = json.loads((out / "gate.json").read_text())
     assert doc["forced"] is True and "transformers" in doc["checks"][0]["detail"]
+
+
+# --------------------------------------------------------------------------- never slower than no speculation
+
+
+def with_schedule(ab: dict, sweep_tok: dict[int, dict[int, float]], served: dict[int, float] | None,
+                  refusal: str | None = None) -> dict:
+    """``ab`` with a sweep of the fine-tuned drafter (``sweep_tok``: c → K → tok/s; K=4 is the served one, K=0 no
+    speculation: both already in ``ab``'s runs) and its schedule, served (``served``: c → the schedule server's tok/s)
+    or refused."""
+    from drafter.evaluation.ab_live import SCHEDULE, schedule_record, sweep_name, sweep_of, summarize
+
+    runs = list(ab["runs"])
+    for c, by_k in sweep_tok.items():
+        for k, tok in by_k.items():
+            if k not in (0, 4):
+                runs += [_run(sweep_name(k, 4), "greedy", c, r, tok * (1 + 0.01 * (r - 0.5)), 1.5) for r in (0, 1)]
+    rec = schedule_record(sweep_of(runs, 0.0, "greedy", 4), 0.02, {"method": "mtp"}, temperature=0.0, method="greedy")
+    if served is not None:
+        runs += [_run(SCHEDULE, "greedy", c, r, tok, 1.6) for c, tok in served.items() for r in (0, 1)]
+        rec["served"] = True
+    else:
+        rec["refusal"] = refusal
+    summary = dict(ab["summary"])
+    for key, entry in summarize(runs).items():
+        summary.setdefault(key, entry)
+    return ab | {"runs": runs, "summary": summary, "schedule": rec}
+
+
+def test_a_release_slower_than_no_speculation_is_refused_naming_the_concurrency(tmp_path):
+    ab = ab_live(tok={1: (40.0, 52.0, 55.0), 8: (200.0, 170.0, 178.0)})  # fixed K at 8 users: 0.89× no speculation
+    with pytest.raises(GateRefused) as e:
+        run_gate(tmp_path, ab, eval_offline())
+    msg = str(e.value)
+    assert "**no_spec/c8**" in msg and "**no_spec/c1**" not in msg
+    assert "fixed K=4): 178.0 tok/s vs no speculation 200.0 (0.89×; must be ≥ 190.0, tolerance 5%) at 8 concurrent users" in msg
+
+
+def test_a_served_schedule_that_turns_speculation_off_passes(tmp_path):
+    ab = ab_live(tok={1: (40.0, 52.0, 55.0), 8: (200.0, 170.0, 178.0)})
+    ab = with_schedule(ab, {1: {0: 40.0, 2: 50.0, 4: 55.0}, 8: {0: 200.0, 2: 185.0, 4: 178.0}}, {1: 54.0, 8: 198.0})
+    assert ab["schedule"]["ranges"] == [[1, 1, 4], [2, 1024, 0]]
+    m, out = run_gate(tmp_path, ab, eval_offline())
+    res = json.loads((out / "gate.json").read_text())
+    checks = {c["name"]: c for c in res["checks"]}
+    assert m["gate"] == "pass", res["failed"]
+    assert checks["no_spec/c8"]["value"] == pytest.approx(198.0) and checks["no_spec/c8"]["reference"] == pytest.approx(200.0)
+    assert checks["schedule/c1"]["reference"] == pytest.approx(55.0)  # the best fixed choice at 1 user: K=4
+    assert "schedule (served), K=0 here" in checks["no_spec/c8"]["detail"]
+    assert res["schedule"]["served"] is True
+
+
+def test_a_served_schedule_below_the_best_fixed_choice_is_refused(tmp_path):
+    ab = ab_live(tok={1: (40.0, 52.0, 55.0), 8: (200.0, 170.0, 178.0)})
+    ab = with_schedule(ab, {1: {0: 40.0, 2: 50.0, 4: 55.0}, 8: {0: 200.0, 2: 185.0, 4: 178.0}}, {1: 47.0, 8: 199.0})
+    with pytest.raises(GateRefused, match=r"\*\*schedule/c1\*\*: the served schedule 47.0 tok/s vs the best fixed "
+                       r"choice \(K=4\) 55.0"):
+        run_gate(tmp_path, ab, eval_offline())
+
+
+def test_a_schedule_the_engine_refused_is_checked_on_the_fixed_k_servers(tmp_path):
+    ab = ab_live(tok={1: (40.0, 52.0, 55.0), 8: (200.0, 170.0, 178.0)})
+    ab = with_schedule(ab, {1: {0: 40.0, 4: 55.0}, 8: {0: 200.0, 4: 178.0}}, None, refusal="unknown field")
+    m, out = run_gate(tmp_path, ab, eval_offline())
+    checks = {c["name"]: c for c in json.loads((out / "gate.json").read_text())["checks"]}
+    assert m["gate"] == "pass"
+    assert checks["no_spec/c8"]["value"] == pytest.approx(200.0)  # K=0 at 8 users: no speculation's own rounds
+    assert checks["no_spec/c1"]["value"] == pytest.approx(55.0) and "schedule/c1" not in checks
+    assert "not served" in checks["no_spec/c1"]["detail"]
+
+
+def test_where_a_served_schedule_turned_off_is_slower_the_release_serves_without_the_drafter(tmp_path):
+    """vLLM runs the drafter's first pass even where the schedule says K=0: the measured demo case (2026-12-05) —
+    K=1 pays at 1 user, the served schedule is 0.81×/0.77×/0.80× at 2/4/8 users. Above the 1 user where speculation
+    pays the release is served without the drafter; the gate checks that, and the served schedule at 1 user."""
+    from drafter.evaluation.ab_live import AbLiveResult, serve_limit
+
+    ab = ab_live(tok={1: (75.6, 58.0, 70.7), 2: (131.1, 98.6, 108.2), 4: (208.4, 151.7, 158.9),
+                      8: (342.5, 200.2, 214.7)}, tau_base=1.463, tau_cand=1.779)
+    ab = with_schedule(ab, {1: {1: 80.6}, 2: {1: 124.8}, 4: {1: 200.6}, 8: {1: 271.6}},
+                       {1: 79.9, 2: 106.1, 4: 161.1, 8: 272.4})
+    assert ab["schedule"]["ranges"] == [[1, 1, 1], [2, 1024, 0]] and ab["schedule"]["pays_up_to"] == 1
+    assert serve_limit(AbLiveResult.of(ab)) == 1
+    res = gate_decision(ab, eval_offline(tau_base_k4=1.5, tau_cand_k4=1.9), GateConfig())
+    checks = {c["name"]: c for c in res["checks"]}
+    assert checks["no_spec/c1"]["passed"] and checks["no_spec/c1"]["value"] == pytest.approx(79.9)
+    assert checks["schedule/c1"]["passed"] and checks["schedule/c1"]["reference"] == pytest.approx(80.6)
+    c8 = checks["no_spec/c8"]
+    assert c8["passed"] and c8["value"] == c8["reference"] == pytest.approx(342.5) and "schedule/c8" not in checks
+    assert "the drafter is not loaded above 1 user; the served schedule, with speculation off here, was 0.80×" in c8["detail"]
+    # the served schedule slower than no speculation where speculation is to pay: refused, naming the users
+    slow = with_schedule(ab_live(tok={1: (75.6, 58.0, 70.7), 8: (342.5, 200.2, 214.7)}),
+                         {1: {1: 80.6}, 8: {1: 271.6}}, {1: 70.0, 8: 340.0})
+    res = gate_decision(slow, eval_offline(), GateConfig())
+    assert res["verdict"] == "refused" and "no_spec/c1" in res["failed"] and "no_spec/c8" not in res["failed"]
+    assert serve_limit(AbLiveResult.of(slow)) is None  # at 8 users the served schedule is as fast as no speculation

@@ -3,7 +3,7 @@
 
 * every file loads through its owner's model, and nothing of the document is lost (``.raw`` is the file);
 * the gate computed now from the demo's ab_live.json and eval_offline.json (config: configs/demo.yaml) gives
-  the verdict, checks and numbers the demo's gate.json recorded;
+  the checks and numbers the demo's gate.json recorded, plus the check against no speculation that refuses it;
 * the release report renders from those files;
 * a result file's name appears in the code (a string constant that is not a docstring) only in its owner.
 """
@@ -85,7 +85,9 @@ def test_the_typed_fields_hold_the_demo_numbers():
     assert tr.final.t0.tau > tr.baseline.t0.tau > 1.0  # the demo's fine-tune beat the bootstrap at T=0
 
 
-def test_the_gate_decides_now_what_it_decided_then():
+def test_the_gate_decides_now_what_it_decided_then_and_refuses_what_was_slower_than_no_speculation():
+    """The checks of then decide as then; the check against no speculation (issue 35) refuses this demo's release:
+    its fixed K = 2 served 0.85× no speculation at 1 user and 0.34× at 8."""
     from drafter.core.config import load_config
     from drafter.evaluation.ab_live import load_ab_live
     from drafter.evaluation.gate import gate_decision
@@ -94,9 +96,15 @@ def test_the_gate_decides_now_what_it_decided_then():
     cfg = load_config(ROOT / "configs/demo.yaml")
     now = gate_decision(load_ab_live(DEMO / "ab_live"), load_eval_offline(DEMO / "eval_offline"), cfg.gate)
     then = json.loads((DEMO / "gate/gate.json").read_text())
-    assert now["verdict"] == then["verdict"] and now["failed"] == then["failed"]
-    assert [(c["name"], c["passed"], c["value"], c["threshold"]) for c in now["checks"]] == \
+    assert then["verdict"] == "pass" and now["verdict"] == "refused"
+    assert now["failed"] == then["failed"] + ["no_spec/c1", "no_spec/c8"]
+    old_checks = [c for c in now["checks"] if not c["name"].startswith("no_spec/")]
+    assert [(c["name"], c["passed"], c["value"], c["threshold"]) for c in old_checks] == \
         [(c["name"], c["passed"], c["value"], c["threshold"]) for c in then["checks"]]
+    speed = {c["name"]: c for c in now["checks"] if c["name"].startswith("no_spec/")}
+    assert speed["no_spec/c8"]["value"] == 91.661 and speed["no_spec/c8"]["reference"] == 270.069
+    assert "0.34×" in speed["no_spec/c8"]["detail"] and "at 8 concurrent users" in speed["no_spec/c8"]["detail"]
+    assert round(speed["no_spec/c1"]["value"] / speed["no_spec/c1"]["reference"], 2) == 0.85
     assert now["key_numbers"] == then["key_numbers"]
 
 

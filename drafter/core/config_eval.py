@@ -123,8 +123,26 @@ class AbLiveConfig(Section):
         description="Draft sampling methods (vLLM's `speculative_config.draft_sample_method`), each on its own server, "
         "at every temperature > 0 where the engine supports them; at T=0 vLLM drafts greedily whatever the method, so "
         "only `greedy` runs there. What does not run is reported with the reason.")
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8], min_length=1,
-                                   description="Concurrent users per measurement (each ≥ 1; live τ and the lossless check use the smallest).")
+    concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1,
+                                   description="Concurrent users per measurement: the sweep (each ≥ 1; live τ and the "
+                                   "lossless check use the smallest). Every server is measured at each; the schedule "
+                                   "and the gate's check against no speculation are per concurrency.")
+    concurrency_other_temperatures: list[int] | None = Field(
+        None, description="The concurrencies measured at the temperatures above the gate's (the T>0 comparison of "
+        "draft sampling methods; each must be in `concurrency`); null: every concurrency. The sweep, the schedule and "
+        "the gate use the gate's temperature only.")
+    k_sweep: list[int] | None = Field(
+        None, description="The Ks of the fine-tuned drafter measured at every concurrency at the gate's temperature "
+        "(greedy drafts), beside no speculation: the schedule picks among them. null: 1 .. num_speculative_tokens + 1. "
+        "The served K is always measured; DSpark measures its block size only.")
+    schedule: bool = Field(
+        True, description="Serve the batch-size schedule derived from the sweep (vLLM's "
+        "`num_speculative_tokens_per_batch_size`) on one more server after the rounds, measured at every concurrency; "
+        "an engine that refuses it is recorded with its reason and the schedule's speed is taken from the fixed-K "
+        "servers.")
+    schedule_tolerance: float = Field(
+        0.02, ge=0, lt=1, description="A K is scheduled at a concurrency only if its tok/s beats no speculation's by "
+        "more than this fraction (and, over several rounds, every round beats every no-speculation round).")
     num_turns: int = Field(8, ge=1, description="Held-out multi-turn agent turns replayed per measurement (≥ the largest "
                            "concurrency, so every user has a request in flight).")
     rounds: int = Field(2, ge=1, description="Interleaved rounds: A B A B … (each round runs every drafter once).")
@@ -191,6 +209,34 @@ class AbLiveConfig(Section):
         if any(c < 1 for c in v):
             raise ValueError(f"every concurrency must be ≥ 1, got {v}")
         return sorted(set(v))
+
+    @field_validator("k_sweep")
+    @classmethod
+    def _valid_k_sweep(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v or any(k < 1 or k > 16 for k in v):
+            raise ValueError(f"every K must be 1..16 (and the list not empty; null: 1 .. K+1), got {v}")
+        return sorted(set(v))
+
+    def concurrency_at(self, temperature: float) -> list[int]:
+        """The concurrencies measured at ``temperature``: all at the lowest (the gate's), else
+        ``concurrency_other_temperatures`` when set."""
+        if temperature == min(self.temperature) or self.concurrency_other_temperatures is None:
+            return list(self.concurrency)
+        return [c for c in self.concurrency if c in self.concurrency_other_temperatures]
+
+    def ks(self) -> list[int]:
+        """The Ks of the sweep: ``k_sweep`` (or 1 .. K+1) with the served K."""
+        k = self.num_speculative_tokens
+        return sorted(set(self.k_sweep if self.k_sweep is not None else range(1, k + 2)) | {k})
+
+    @model_validator(mode="after")
+    def _other_temperatures_measured(self) -> "AbLiveConfig":
+        v = self.concurrency_other_temperatures
+        if v is not None and (not v or set(v) - set(self.concurrency)):
+            raise ValueError(f"concurrency_other_temperatures {v} must name some of concurrency {self.concurrency}")
+        return self
 
     @model_validator(mode="after")
     def _enough_turns(self) -> "AbLiveConfig":

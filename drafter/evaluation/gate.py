@@ -9,7 +9,14 @@ Checks (each with its numbers, see :class:`Check`):
 * ``tok_s/<method>/c<c>`` — candidate tok/s ≥ baseline tok/s · (1 − ``tok_s_tolerance``);
 * ``live_vs_offline/<method>/c<c>`` — candidate live τ / offline τ ≥ ``min_live_offline_ratio``, the
   offline τ taken at the live K under the matching rule (T=0 → ``t0``; T>0 → ``t1_greedy`` for greedy
-  drafts, ``t1_prob`` for probabilistic ones).
+  drafts, ``t1_prob`` for probabilistic ones);
+* ``no_spec/c<c>`` — at every measured concurrency, the released configuration
+  (:func:`~drafter.evaluation.ab_live.sweep.released_speeds`: the schedule derived from the A/B's sweep, as served,
+  up to the users where speculation pays, and no speculation above them where a server with the drafter was
+  slower; an A/B without a sweep: the fixed K) is not slower than no speculation:
+  tok/s ≥ no speculation's · (1 − ``tok_s_tolerance``);
+* ``schedule/c<c>`` — where the served schedule is the released configuration, its tok/s is within
+  ``tok_s_tolerance`` of the best fixed choice the sweep measured there (no speculation or one K).
 
 The τ, tok/s and live-vs-offline checks run at the A/B's lowest temperature (every draft sampling method
 measured there: at T=0 greedy only). The other temperatures and methods are listed in the gate document
@@ -37,6 +44,7 @@ from drafter.core.config import GateConfig
 from drafter.core.errors import StageError
 from drafter.evaluation.ab_live import (AB_LIVE_JSON, NO_ENTRY, AbLiveResult, as_ab_live, compile_mode,
                                         matrix_markdown, matrix_rows, primary, run_key, summary_of, temperatures)
+from drafter.evaluation.ab_live.sweep import best_fixed, released_speeds
 from drafter.evaluation.offline_result import OfflineResult
 from drafter.core.results import Part, ResultFile, missing_key
 
@@ -95,6 +103,7 @@ class GateResult(ResultFile):
     unsupported: dict[str, str] = {}
     key_numbers: dict[str, float | None] = {}
     live_matrix: list[dict] = []
+    schedule: dict | None = None  # ab_live.json's schedule (older outputs and a gate without live numbers: none)
 
 
 def load_gate(stage_dir: str | Path) -> GateResult:
@@ -163,6 +172,36 @@ def _live_vs_offline_check(tag: str, ct: float | None, by_k: list[float], k: int
                  f"K={k}) = {ratio:.3f} (must be ≥ {ratio_min:.2f})")
 
 
+def _users(c: int) -> str:
+    return f"{c} concurrent user{'s' if c > 1 else ''}"
+
+
+def speed_checks(ab: AbLiveResult, cfg: GateConfig) -> list[Check]:
+    """``no_spec/c<c>`` at every measured concurrency and, where the schedule was served, ``schedule/c<c>``."""
+    out = []
+    tol = cfg.tok_s_tolerance
+    for c, sp in released_speeds(ab).items():
+        if sp.no_spec is None:
+            raise missing_key(AB_LIVE_JSON, "tok_s", f"summary none/c{c}")
+        thr = sp.no_spec * (1 - tol)
+        what = f"the released configuration ({sp.source}{'' if sp.k is None else f', K={sp.k} here'})"
+        if sp.tok_s is None:
+            out.append(Check(f"no_spec/c{c}", False, None, sp.no_spec, thr, f"{what} not measured at {_users(c)}"))
+        else:
+            out.append(Check(f"no_spec/c{c}", sp.tok_s >= thr, sp.tok_s, sp.no_spec, thr,
+                             f"{what}: {sp.tok_s:.1f} tok/s vs no speculation {sp.no_spec:.1f} ({sp.speedup:.2f}×; must "
+                             f"be ≥ {thr:.1f}, tolerance {tol:.0%}) at {_users(c)}"))
+        best = best_fixed(ab, c)
+        if sp.source == "schedule (served)" and best is not None and sp.tok_s is not None:
+            k, tok = best
+            bthr = tok * (1 - tol)
+            name = "no speculation" if k == 0 else f"K={k}"
+            out.append(Check(f"schedule/c{c}", sp.tok_s >= bthr, sp.tok_s, tok, bthr,
+                             f"the served schedule {sp.tok_s:.1f} tok/s vs the best fixed choice ({name}) {tok:.1f} "
+                             f"(must be ≥ {bthr:.1f}, tolerance {tol:.0%}) at {_users(c)}"))
+    return out
+
+
 def gate_checks(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateConfig) -> list[Check]:
     """Every check of the gate from ``ab_live.json`` and ``eval_offline.json`` (their models: :class:`AbLiveResult`,
     :class:`OfflineResult`)."""
@@ -189,7 +228,7 @@ def gate_checks(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateConf
         if rule not in offline:
             raise missing_key(OfflineResult.NAME, rule, "drafters.candidate")
         checks.append(_live_vs_offline_check(tag, cand.tau, offline[rule].tau_by_k, k, rule, cfg))
-    return checks
+    return checks + speed_checks(ab, cfg)
 
 
 def gate_decision(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateConfig) -> dict:
@@ -224,6 +263,7 @@ def gate_decision(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateCo
         "unsupported": ab.unsupported or {},
         "key_numbers": key,
         "live_matrix": matrix_rows(ab),  # every temperature and draft sampling method, for information
+        "schedule": ab.raw.get("schedule"),
     }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from drafter.evaluation.ab_live import (NO_ENTRY, AbLiveResult, as_ab_live, compile_mode, matrix, matrix_markdown,
-                                        matrix_rows, primary, summary_of)
+                                        matrix_rows, primary, summary_of, sweep_markdown)
 from drafter.evaluation.gate import GateResult, offline_rule
 from drafter.evaluation.offline_result import OfflineResult
 from drafter.core.results import ResultFile
@@ -167,6 +167,9 @@ def _live_parts(st: dict, ab: AbLiveResult | None, ev: OfflineResult | None) -> 
         if sum(len(ms) for ms in matrix(ab).values()) > 1:
             parts.append("Every temperature and draft sampling method of the A/B (speedup over no speculation at the "
                          "same temperature):\n\n" + matrix_markdown(matrix_rows(ab), LABELS))
+        sweep = sweep_markdown(ab)
+        if sweep:
+            parts.append("### The sweep and the released schedule\n\n" + sweep)
         if "compiled" in ab.model_fields_set:
             parts.append(f"A/B servers: {compile_mode(ab.compiled)}.\n")
         ll = ab.lossless

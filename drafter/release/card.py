@@ -27,6 +27,7 @@ from drafter.evaluation.offline_result import OfflineResult
 from drafter.release.card_sections import (NOT_MEASURED, dspark_section, gate_section, live_section,
                                            offline_section, quant_section, read_result, served_k, stage_reason,
                                            target_section, training_section)
+from drafter.release.card_speed import SPEED_PLOT, speed_section, usage_spec
 from drafter.release.redact import redact_local, redact_obj
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_card_templates"
@@ -130,23 +131,26 @@ def _limitations(offline: dict, live: dict, quant: dict, target: dict, dspark: d
 
 def _usage(cfg, repo: str, target: dict, k: int, train: dict, live: dict, ab: AbLiveResult | None,
            dspark: dict | None) -> dict:
-    """How to serve the release: the drafter file, K, the method and the server arguments the A/B ran with."""
+    """How to serve the release: the drafter file, K, the method, the ``--speculative-config`` JSON (the A/B's
+    schedule, else the fixed K: :func:`~drafter.release.card_speed.usage_spec`) and the server arguments the A/B ran
+    with."""
     from drafter.models import TRAINED_NAME
     from drafter.models.dspark import DSPARK_DIR
 
+    method = "dspark" if dspark else ((ab.method if ab else None) or cfg.ab_live.method)
     return {"repo_id": repo, "target_short": target["short"], "target_how": target["how"],
             "drafter_file": DSPARK_DIR if dspark else TRAINED_NAME, "k": k,
             "draft_vocab": (train.get("draft_vocab") or {}).get("size") if train.get("ok") and not dspark else None,
-            "method": "dspark" if dspark else ((ab.method if ab else None) or cfg.ab_live.method),
+            "method": method, **usage_spec(ab, method, k, dspark=bool(dspark)),
             "server_args": live["server_args"] if live.get("ok") else shlex.join(
                 ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]
                 + (["--enforce-eager"] if cfg.ab_live.eager(cfg.serving) else [])
                 + [redact_local(a) for a in cfg.ab_live.server_args])}
 
 
-def _raw(inputs, offline: dict, live: dict, quant: dict, train: dict, gate: dict) -> dict:
+def _raw(inputs, offline: dict, live: dict, quant: dict, train: dict, gate: dict, speed: dict) -> dict:
     """The unformatted values (what ``release.json`` records as its metrics) and why a stage's are missing."""
-    return {"offline": offline.get("raw"), "live": live.get("raw"),
+    return {"offline": offline.get("raw"), "live": live.get("raw"), "speed": speed.get("raw"),
             "fp8": {**(quant["fp8"].get("raw") or {}), "verify": quant["fp8"].get("verify")},
             "exl3": quant["exl3"].get("raw") or quant["exl3"].get("reason"),
             "training": train.get("raw"), "gate": gate.get("raw"),
@@ -167,6 +171,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
     target = target_section(cfg, inputs)
     offline = offline_section(cfg, inputs, k, ev, ev_why)
     live = live_section(cfg, inputs, ab, ab_why, ev)
+    speed = speed_section(cfg, inputs, ab, ab_why, plot=any(f.get("path") == SPEED_PLOT for f in files))
     quant = quant_section(inputs)
     train = training_section(cfg, inputs, kind)
     dspark = dspark_section(cfg, inputs, ev) if kind == "dspark" else None
@@ -182,7 +187,8 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
         "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
         "forced_warning": forced_warning, "target": target, "k": k, "dspark": dspark,
         "summary": _summary(target, train, offline, k, dspark),
-        "files": files, "offline": offline, "live": live, "quant": quant, "training": train, "gate": gate,
+        "files": files, "offline": offline, "live": live, "speed": speed, "quant": quant, "training": train,
+        "gate": gate,
         "usage": _usage(cfg, repo, target, k, train, live, ab, dspark),
         "provenance": {"config_hash": config_hash, "stage_keys": keys, "version": version,
                        "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
@@ -193,7 +199,7 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
                   "datasets": list(cfg.publish.datasets) or None},
         "config": conf,
     }
-    ctx["raw"] = _raw(inputs, offline, live, quant, train, gate)
+    ctx["raw"] = _raw(inputs, offline, live, quant, train, gate, speed)
     ctx["eval_results"] = _eval_results(offline, ev, model_name)
     return redact_obj_keep(ctx)
 

@@ -17,6 +17,7 @@ from typing import Any
 from drafter.core.hardware import summary as hw_summary
 from drafter.core.stage import Artifact
 from drafter.evaluation.ab_live import NO_ENTRY, AbLiveResult, compile_mode, primary, summary_of, temperatures
+from drafter.evaluation.ab_live.sweep import SCHEDULE, drafter_order, sweep_k
 from drafter.evaluation.gate import GateResult, offline_rule
 from drafter.evaluation.offline_result import OfflineResult
 from drafter.core.results import ResultFile
@@ -176,15 +177,24 @@ def offline_section(cfg, inputs, k: int, ev: OfflineResult | None, why: str | No
     return out
 
 
+def _drafter_label(drafter: str, names: dict[str, str]) -> str:
+    """A server's drafter in the card: the sweep's ``candidate-k<K>`` as ``fine-tuned, K=<K>``, the schedule's."""
+    if drafter in names:
+        return names[drafter]
+    if drafter == SCHEDULE:
+        return "schedule (released configuration)"
+    k = sweep_k(drafter, 0)
+    return f"fine-tuned, K={k}" if k else drafter
+
+
 def _live_rows(cfg, inputs, summ: dict) -> list[dict]:
     names = {"none": "no speculation", "baseline": _baseline_name(cfg, inputs), "candidate": "fine-tuned"}
-    order = {"none": 0, "baseline": 1, "candidate": 2}
     rows = []
-    for key in sorted(summ, key=lambda x: (x[0], x[3], order.get(x[1], 9), x[2])):
+    for key in sorted(summ, key=lambda x: (x[0], x[3], drafter_order(x[1]), x[2])):
         t, drafter, method, c = key
         s = summ[key]
         none = summ.get((t, "none", "none", c), NO_ENTRY).tok_s
-        rows.append({"temperature": f"{t:g}", "drafter": names.get(drafter, drafter),
+        rows.append({"temperature": f"{t:g}", "drafter": _drafter_label(drafter, names),
                      "method": "—" if method == "none" else method, "users": c,
                      "tau": f3(s.tau), "tok_s": f2(s.tok_s), "speedup": f2(s.tok_s / none if none else None),
                      "decode_tok_s": f2(s.decode_tok_s), "ttft_s": f3(s.ttft_mean_s),

@@ -12,14 +12,23 @@ drafters are measured on the same held-out set (eval_offline) and the same repla
 * the gate's checks pass against the champion (:func:`drafter.evaluation.gate.gate_decision`; with
   ``gate.force`` and no live A/B this check is waived, and the decision says so), and
 * its offline held-out τ (T=0, at the served K) exceeds the champion's by more than
-  ``retrain.min_tau_gain`` — never waived: a retrain never publishes a drafter that is not better.
+  ``retrain.min_tau_gain`` — never waived: a retrain never publishes a drafter that is not better, and
+* at every concurrency the A/B measured, the candidate's released configuration (its schedule, see
+  :func:`drafter.evaluation.ab_live.released_speeds`) is not slower than the champion's:
+  tok/s ≥ the champion's · (1 − ``gate.tok_s_tolerance``) (:func:`speed_comparison`; waived without a live A/B).
+
+The champion's speed at concurrency c is its own schedule's K there (its ``release.json`` ``schedule.ranges``; a
+release without a schedule: the served K), read from this run's measurements: K = 0 → no speculation's tok/s;
+the served K → the baseline's tok/s; another K (the baseline is measured at the served K only) → the baseline's
+tok/s at the served K, and the row's note says so.
 
 Example::
 
     champ = find_champion(cfg, store)                 # None before the first release
     cfg.baseline = baseline_for(champ, cfg.retrain)   # then run the stages up to ab_live
-    d = challenge(ab_live_json, eval_offline_json, cfg)
+    d = challenge(ab_live_json, eval_offline_json, cfg, champ.release_id, champion_release=champ.release)
     d["winner"], d["reasons"], d["champion"]["tau_offline"], d["candidate"]["tau_offline"]
+    d["speed"]   # [{"concurrency": 8, "candidate_tok_s": …, "champion_tok_s": …, "champion_k": 0, "ok": …, …}]
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ from drafter.core.errors import StageError
 from drafter.core.store import Store, sha256_file
 from drafter.models.layouts import TRAINED_NAME
 from drafter.evaluation.ab_live import NO_ENTRY, AbLiveResult, as_ab_live, primary, summary_of
+from drafter.evaluation.ab_live.sweep import released_speeds
 from drafter.evaluation.offline_result import OfflineResult
 from drafter.release.folder import RELEASE_JSON, ReleaseFile, ReleaseRecord
 
@@ -189,13 +199,91 @@ def _gate(ab: AbLiveResult | None, ev: OfflineResult, cfg: ReleaseConfig, no_liv
     return g, gate_ok, reasons
 
 
+def _champion_schedule(release: dict | None) -> list[tuple[int, int, int]] | None:
+    """The ranges ``[batch_from, batch_to, K]`` of the champion's schedule (its ``release.json`` ``schedule``);
+    None when its release has none (an older or fixed-K release)."""
+    sched = (release or {}).get("schedule")
+    if sched is None:
+        return None
+    if hasattr(sched, "model_dump"):
+        sched = sched.model_dump()
+    try:
+        return [(int(lo), int(hi), int(k)) for lo, hi, k in sched.get("ranges") or []]
+    except (TypeError, ValueError, AttributeError):
+        raise StageError(f"the champion's {RELEASE_JSON}: schedule.ranges must be [batch_from, batch_to, K] "
+                         f"lists, got {sched.get('ranges') if isinstance(sched, dict) else sched!r}") from None
+
+
+def _champion_k(ranges: list[tuple[int, int, int]] | None, c: int, k: int) -> tuple[int, str]:
+    """The K the champion serves at ``c`` users and where it comes from."""
+    if ranges is None:
+        return k, f"fixed K={k} (its release has no schedule)"
+    for lo, hi, kk in ranges:
+        if lo <= c <= hi:
+            return kk, f"its schedule: K={kk} for {lo}–{hi} users"
+    return 0, f"its schedule has no range for {c} users: taken as no speculation"
+
+
+def _users(c: int) -> str:
+    return f"{c} user{'s' if c != 1 else ''}"
+
+
+def speed_comparison(ab: AbLiveResult, k: int, champion_release: dict | None, tolerance: float) -> list[dict]:
+    """Per measured concurrency: the candidate's released configuration's tok/s vs the champion's schedule's,
+    both from this run's A/B (see the module docstring), and whether the candidate is not slower beyond
+    ``tolerance``."""
+    s, (t0, m0) = summary_of(ab), primary(ab)
+    ranges = _champion_schedule(champion_release)
+    rows = []
+    for c, sp in released_speeds(ab).items():
+        ck, where = _champion_k(ranges, c, k)
+        if ck == 0:
+            champ, note = s.get((t0, "none", "none", c), NO_ENTRY).tok_s, f"{where}: no speculation's tok/s this run"
+        else:
+            champ, note = s.get((t0, "baseline", m0, c), NO_ENTRY).tok_s, where
+            if ck != k:
+                note += f"; K={ck} was not measured for the champion this run: its K={k} tok/s stands in"
+        thr = None if champ is None else round(champ * (1 - tolerance), 3)
+        ok = sp.tok_s is not None and thr is not None and sp.tok_s >= thr
+        if sp.tok_s is None or champ is None:
+            note += "; not measured: " + " and ".join(w for w, v in (("candidate", sp.tok_s), ("champion", champ))
+                                                      if v is None)
+        rows.append({"concurrency": c, "candidate_tok_s": sp.tok_s, "candidate_k": k if sp.k is None else sp.k,
+                     "candidate_source": sp.source, "champion_tok_s": champ, "champion_k": ck, "threshold": thr,
+                     "ok": ok, "note": note})
+    return rows
+
+
+def _speed_reasons(rows: list[dict], tolerance: float) -> tuple[bool, list[str]]:
+    """Whether the candidate is not slower than the champion anywhere, and the reason lines: one per concurrency
+    where it is (or could not be compared), else one line listing them all."""
+    def n(v):
+        return "—" if v is None else f"{v:.1f}"
+
+    if not rows:
+        return False, ["tok/s: no concurrency measured with and without speculation; the schedules cannot be compared"]
+    bad = [r for r in rows if not r["ok"]]
+    if not bad:
+        return True, [f"tok/s (tolerance {tolerance:.0%}): the candidate's released configuration is not slower than "
+                      "the champion's schedule at any measured concurrency — " + ", ".join(
+                          f"c{r['concurrency']} {n(r['candidate_tok_s'])} vs {n(r['champion_tok_s'])} "
+                          f"(K={r['candidate_k']} vs K={r['champion_k']})" for r in rows)]
+    return False, [f"tok/s at c{r['concurrency']} ({_users(r['concurrency'])}): candidate {n(r['candidate_tok_s'])} "
+                   f"(K={r['candidate_k']}) vs champion {n(r['champion_tok_s'])} (K={r['champion_k']}, {r['note']}); "
+                   f"must be ≥ {n(r['threshold'])}, tolerance {tolerance:.0%}" for r in bad]
+
+
 def challenge(ab: AbLiveResult | dict | None, ev: OfflineResult | dict, cfg: ReleaseConfig,
-              champion_id: str | None = None, no_live_reason: str | None = None) -> dict:
+              champion_id: str | None = None, no_live_reason: str | None = None, *,
+              champion_release: dict | None = None) -> dict:
     """The decision of a challenge (``ev``: the run's eval_offline.json, its baseline the champion; ``ab``:
-    its ab_live.json, None when ab_live was skipped for ``no_live_reason``).
+    its ab_live.json, None when ab_live was skipped for ``no_live_reason``; ``champion_release``: the champion's
+    release.json, whose ``schedule`` the speed comparison reads — None: its fixed K, the served K).
 
     Returns ``{"winner": "candidate"|"champion", "decision", "reasons", "k", "min_tau_gain",
-    "champion": {release_id, tau_offline, tau_live, tok_s_c1}, "candidate": {…}, "gate": {verdict, failed, checks}}``.
+    "champion": {release_id, tau_offline, tau_live, tok_s_c1}, "candidate": {…}, "gate": {verdict, failed, checks},
+    "speed": [{concurrency, candidate_tok_s, candidate_k, candidate_source, champion_tok_s, champion_k, threshold,
+    ok, note}]}`` (``speed`` empty without a live A/B).
     """
     ab = as_ab_live(ab) if ab is not None else None
     ev = OfflineResult.of(ev)
@@ -211,13 +299,24 @@ def challenge(ab: AbLiveResult | dict | None, ev: OfflineResult | dict, cfg: Rel
         rel = ">" if tau_ok else "≤"
         reasons.append(f"offline held-out τ (T=0, K={k}): candidate {cand_tau:.4f} {rel} champion {champ_tau:.4f}"
                        + (f" + min_tau_gain {gain}" if gain else ""))
-    winner = "candidate" if gate_ok and tau_ok else "champion"
+    tol = cfg.gate.tok_s_tolerance
+    if ab is None:
+        speed: list[dict] = []
+        speed_ok = True
+        reasons.append(f"no live A/B ({no_live_reason or 'ab_live did not run'}): the tok/s comparison with the "
+                       "champion's schedule is waived")
+    else:
+        speed = speed_comparison(ab, k, champion_release, tol)
+        speed_ok, why = _speed_reasons(speed, tol)
+        reasons += why
+    winner = "candidate" if gate_ok and tau_ok and speed_ok else "champion"
     return {
         "winner": winner, "decision": REPLACED if winner == "candidate" else KEPT, "reasons": reasons,
         "k": k, "min_tau_gain": gain,
         "champion": {"release_id": champion_id, "tau_offline": champ_tau, **_live(ab, "baseline")},
         "candidate": {"tau_offline": cand_tau, **_live(ab, "candidate")},
         "gate": {"verdict": g["verdict"], "failed": g["failed"], "checks": g["checks"]},
+        "speed": speed,
     }
 
 
@@ -232,4 +331,10 @@ def decision_markdown(name: str, d: dict, counts: str) -> str:
              f"| champion `{c['release_id']}` | {f(c['tau_offline'], 4)} | {f(c['tau_live'])} | {f(c['tok_s_c1'], 2)} |",
              f"| candidate | {f(n['tau_offline'], 4)} | {f(n['tau_live'])} | {f(n['tok_s_c1'], 2)} |", "",
              "Why:", ""] + [f"- {r}" for r in d["reasons"]]
+    if d.get("speed"):
+        lines += ["", "Tokens/s of the released configurations, this run's measurements:", "",
+                  "| users | candidate tok/s (K) | champion tok/s (K) | not slower | note |", "|---|---|---|---|---|"]
+        lines += [f"| {r['concurrency']} | {f(r['candidate_tok_s'], 1)} ({r['candidate_k']}) | "
+                  f"{f(r['champion_tok_s'], 1)} ({r['champion_k']}) | {'yes' if r['ok'] else '**no**'} | {r['note']} |"
+                  for r in d["speed"]]
     return "\n".join(lines) + "\n"

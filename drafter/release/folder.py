@@ -3,8 +3,9 @@
 ``README.md`` (the card), the fine-tuned drafter under the release's tensor names with a
 ``model.safetensors.index.json`` (the target's index, every drafter key pointed at the drafter file:
 :func:`drafter.serving.served_model.drafter_index`), ``fp8/`` (the drop-in, its index and error
-reports), ``exl3/`` when produced, ``assets/*.png`` (plots) and ``release.json`` (every metric the card
-shows, the config per section with local paths redacted, stage keys, versions, the file list and
+reports), ``exl3/`` when produced, ``assets/*.png`` (plots: the stages', and for MTP the live tok/s vs
+concurrency drawn here from the A/B's numbers) and ``release.json`` (every metric the card shows, the config per
+section with local paths redacted, stage keys, versions, the file list, the A/B's batch-size ``schedule`` and
 ``release_id``). MTP needs no server config beyond the index. A DSpark release has the draft folder
 ``dspark/`` (config.json + model.safetensors, what vLLM's ``method: dspark`` loads) in place of the
 drafter file and index, and ``fp8/`` holds a whole FP8 draft folder.
@@ -34,7 +35,9 @@ from drafter.core.store import sha256_file
 from drafter.core.results import Part, ResultFile
 from drafter.models.dspark import DSPARK_DIR
 from drafter.quant.layout import FP8_DIR
+from drafter.evaluation.ab_live import ScheduleRecord
 from drafter.release.card import card_context, render_card, stage_reason
+from drafter.release.card_speed import SPEED_PLOT, write_speed_plot
 from drafter.release.redact import redact_obj
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
 
@@ -72,6 +75,7 @@ class ReleaseRecord(ResultFile):
     config_hash: str | None = None
     stage_keys: dict[str, str] = {}
     target: dict = {}
+    schedule: ScheduleRecord | None = None  # ab_live.json's schedule as written (none: no sweep or no live A/B)
 
 
 def write_release_record(folder: Path, doc: dict) -> Path:
@@ -128,6 +132,7 @@ def _what(path: str, drafter_file: str) -> str:
             "assets/acceptance_per_position.png": "plot: offline acceptance per draft position",
             "assets/train_curves.png": "plot: training curves",
             "assets/reliability.png": "plot: the confidence head's reliability (held-out)",
+            SPEED_PLOT: "plot: live tok/s vs concurrent users (no speculation, the drafters, the released configuration)",
             CARD: "this card", RELEASE_JSON: "every metric, the config, stage keys, versions, file hashes, release id"}.get(
         path, "EXL3 form (exllamav3)" if path.startswith("exl3/") else "")
 
@@ -225,6 +230,8 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
         if stage_reason(inputs, stage) is None and (Path(inputs[stage].path) / name).is_file():
             (out / dst).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(inputs[stage].path) / name, out / dst)
+    if kind == "mtp":
+        write_speed_plot(cfg, inputs, out)  # from ab_live.json's numbers: no stage writes it
 
     # the card lists every file (README.md and release.json without a hash: they cannot hold their own)
     rows = _file_rows(out, drafter_file)
@@ -240,7 +247,8 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
            "git_commit": git_commit, "files": files, "metrics": ctx["raw"], "config": ctx["config"],
            "config_hash": ctx["provenance"]["config_hash"], "stage_keys": ctx["provenance"]["stage_keys"],
            "target": {k: ctx["target"][k] for k in ("name", "base_model", "license", "source", "revision",
-                                                    "chat_template_sha256")}}
+                                                    "chat_template_sha256")},
+           "schedule": (ctx["raw"]["speed"] or {}).get("schedule")}
     rel = write_release_record(out, doc)
     files.append({"path": RELEASE_JSON, "size": rel.stat().st_size, "sha256": sha256_file(rel)})
     return {"release_id": release_id, "files": sorted(files, key=lambda f: f["path"]), "card": CARD}

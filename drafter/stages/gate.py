@@ -48,5 +48,6 @@ STAGE = Stage(
     inputs=("eval_offline", "ab_live"),
     sections=("gate",),
     run=run,
-    description="Release gate: the candidate's live τ and tok/s vs the baseline's, live vs offline τ, lossless",
+    description="Release gate: the candidate's live τ and tok/s vs the baseline's, live vs offline τ, lossless, and the "
+                "released schedule vs no speculation at every concurrency",
 )

@@ -26,7 +26,10 @@ def finished_store_config(tiny_target: Path, root: Path) -> Path:
         "eval_offline": {"k_max": 3, "window": 32, "bootstrap_samples": 50, "cost_repeats": 1},
         "verify_fp8": {"vllm_load": False},
         "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 2], "num_turns": 2, "rounds": 1, "max_tokens": 8,
-                    "lossless_prompts": 2, "server_args": ["--block-size", "32"]},
+                    "lossless_prompts": 2, "server_args": ["--block-size", "32"],
+                    # the served K alone and no schedule server: the sweep and the served schedule have their own
+                    # tests (test_ab_live.py); here the number of servers stays fixed
+                    "k_sweep": [2], "schedule": False},
         "gate": {"force": True},
         "publish": {"tags": ["tiny-test"], "datasets": []},
         "stages": ["gate", "verify_fp8", "quantize_exl3"],  # every stage up to the gate (publish excluded)

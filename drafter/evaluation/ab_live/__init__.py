@@ -26,6 +26,10 @@ drift of the machine hits every drafter alike.
   without it.
 * **Draft sampling** (:func:`engine_draft_sample_methods`): which ``draft_sample_method`` values the
   serving env's vLLM accepts, read from its source without importing it.
+* **Sweep and schedule** (:mod:`~drafter.evaluation.ab_live.sweep`): at the gate's temperature the fine-tuned
+  drafter is also measured at the other Ks of ``ab_live.ks()`` (servers ``candidate-k<K>``); the schedule derived
+  from the sweep is served on one more server (``schedule``) and is the released configuration the gate checks
+  against no speculation at every concurrency.
 * **Servers** (:func:`ab_serving`): every server of the A/B runs with the same settings, eager or
   compiled (``ab_live.compiled``; :func:`compile_mode` says which in the tables and the card).
 
@@ -52,7 +56,10 @@ from drafter.evaluation.ab_live.results import (AB_LIVE_JSON, NO_ENTRY, AbLiveRe
                                                 SummaryKey, as_ab_live, flat_metrics, load_ab_live, matrix,
                                                 parse_summary, primary, run_key, save_ab_live, summarize, summary_of,
                                                 temp_tag, temperatures)
-from drafter.evaluation.ab_live.tables import ab_table, matrix_markdown, matrix_rows
+from drafter.evaluation.ab_live.sweep import (SCHEDULE, ScheduleRecord, Speed, best_fixed, released_speeds,
+                                              schedule_json, schedule_record, serve_limit, sweep_name,
+                                              sweep_of)
+from drafter.evaluation.ab_live.tables import ab_table, matrix_markdown, matrix_rows, sweep_markdown
 
 __all__ = [
     "AB_LIVE_JSON", "DRAFTERS", "NO_ENTRY", "REPLAY_DOMAIN", "AbLiveResult", "Lossless", "Replay", "ReplayTurn",
@@ -60,5 +67,6 @@ __all__ = [
     "counters_delta", "engine_draft_sample_methods", "flat_metrics", "load_ab_live", "lossless_check", "matrix",
     "matrix_markdown", "matrix_rows", "measure", "parse_summary", "plan_draft_methods", "plan_matrix", "primary",
     "primary_of", "replay_turns", "run_key", "save_ab_live", "speculative_config", "summarize", "summary_of",
-    "temp_tag", "temperatures", "timing_delta",
+    "temp_tag", "temperatures", "timing_delta", "SCHEDULE", "ScheduleRecord", "Speed", "best_fixed",
+    "released_speeds", "schedule_json", "serve_limit", "schedule_record", "sweep_name", "sweep_of", "sweep_markdown",
 ]

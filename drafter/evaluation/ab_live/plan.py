@@ -134,8 +134,8 @@ def plan_matrix(wanted: list[str], engine_methods: list[str] | None, why: str | 
     return plan, out
 
 
-def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
-               baseline_at: str = "all") -> list[tuple[str, str | None, list[float]]]:
+def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False, baseline_at: str = "all",
+               sweep: list[str] = ()) -> list[tuple[str, str | None, list[float]]]:
     """One round: ``(drafter, draft sample method, temperatures)`` per server, in the fixed A B order.
 
     No speculation is one server, measured at every temperature; each drafter has one server per draft
@@ -143,7 +143,8 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
     runs that method. ``baseline_at="gate"`` (``ab_live.baseline_at``) keeps the baseline to the gate's
     measurement only (:func:`primary_of` the plan).
     ``drafts_first`` (DSpark) starts with the speculative servers, so an engine that refuses the method
-    says so at once.
+    says so at once. ``sweep``: the fine-tuned drafter's servers at the sweep's other Ks
+    (:func:`~drafter.evaluation.ab_live.sweep.sweep_name`), measured at the gate's measurement only, after it.
     """
     if baseline_at not in ("all", "gate"):
         raise ValueError(f"baseline_at={baseline_at!r}: expected 'all' or 'gate'")
@@ -153,6 +154,9 @@ def ab_servers(plan: dict[float, list[str]], drafts_first: bool = False,
     if baseline_at == "gate" and temps:
         t0, m0 = primary_of(plan)
         spec = [(d, m, [t0] if d == "baseline" else ts) for d, m, ts in spec if d != "baseline" or m == m0]
+    if sweep and temps:
+        t0, m0 = primary_of(plan)
+        spec += [(name, m0, [t0]) for name in sweep]
     none = [("none", None, temps)]
     return spec + none if drafts_first else none + spec
 

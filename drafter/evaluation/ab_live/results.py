@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from drafter.core.errors import StageError
 from drafter.core.results import HeldoutRecord, Part, ResultFile, missing_key
+from drafter.evaluation.ab_live.sweep import ScheduleRecord
 
 AB_LIVE_JSON = "ab_live.json"
 
@@ -79,6 +80,7 @@ class AbLiveResult(ResultFile):
     server_args: list[str] | None = None
     hardware: dict | None = None
     seconds: float | None = None
+    schedule: ScheduleRecord | None = None  # older outputs: no sweep, the fixed K is the released configuration
 
 
 def load_ab_live(stage_dir: str | Path) -> AbLiveResult:
@@ -242,6 +244,13 @@ def flat_metrics(result: AbLiveResult | dict, concurrency: list[int]) -> dict:
             speeds("tok_s", t, m, c, "", sfx)
     out[f"decode_tok_s_c{c1}_none"] = e(t0, "none", "none", c1).decode_tok_s
     speeds("decode_tok_s", t0, m0, c1, "decode_", "")  # server side, prefill excluded
+    if ab.schedule is not None:
+        from drafter.evaluation.ab_live.sweep import released_speeds
+        for c, sp in released_speeds(ab).items():
+            out[f"tok_s_c{c}_released"] = sp.tok_s
+            out[f"speedup_c{c}_released"] = _ratio(sp.tok_s, sp.no_spec)
+        out["schedule_served"] = ab.schedule.served
+        out["speculation_pays_up_to"] = ab.schedule.pays_up_to
     out["lossless_ok"] = ab.lossless.ok if ab.lossless else None
     out["lossless_identical"] = ab.lossless.identical if ab.lossless else None
     out["temperature"] = t0

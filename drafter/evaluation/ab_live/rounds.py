@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 from drafter.core.errors import StageSkipped
 from drafter.core.progress import progress
 from drafter.evaluation.ab_live.measure import lossless_check, measure
-from drafter.evaluation.ab_live.plan import ReplayTurn, ab_servers, speculative_config
+from drafter.evaluation.ab_live.plan import ReplayTurn, ab_servers, primary_of, speculative_config
 from drafter.evaluation.ab_live.results import summarize
+from drafter.evaluation.ab_live.sweep import (SCHEDULE, schedule_record, served_drafter, sweep_k, sweep_name,
+                                              sweep_of)
 from drafter.serving.served_model import drafter_model_dir, linked_model_dir
 from drafter.serving.server import ServingError, serve
 
@@ -91,11 +93,13 @@ class Measured:
     ids: dict[str, list] = field(default_factory=dict)
     servers: list[dict] = field(default_factory=list)
     version: str | None = None
+    schedule: dict | None = None
 
 
 def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
     """The model path a server of ``drafter`` serves: MTP drafters are rebuilt at one shared path (vLLM keys its
     compile cache by the path, so a compiled server starts from the first one's cache)."""
+    drafter = served_drafter(drafter)
     if d.drafts is not None or drafter == "none":
         return d.model_dir
     weights = d.candidate if drafter == "candidate" else d.baseline
@@ -107,7 +111,9 @@ def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
 def _spec(c: "AbLiveConfig", d: AbDrafters, drafter: str, method: str | None, engine: Engine) -> dict | None:
     spec = speculative_config(c, method, engine_has_field=engine.methods is not None)
     if spec is not None and d.drafts is not None:
-        spec |= {"method": "dspark", "model": str(d.drafts[drafter]), "num_speculative_tokens": d.block_size}
+        spec |= {"method": "dspark", "model": str(d.drafts[served_drafter(drafter)]), "num_speculative_tokens": d.block_size}
+    elif spec is not None and (k := sweep_k(drafter, c.num_speculative_tokens)) is not None:
+        spec["num_speculative_tokens"] = k
     return spec
 
 
@@ -121,14 +127,15 @@ def _one_server(c: "AbLiveConfig", srv, turns: list[ReplayTurn], rnd: int, draft
     # first forward passes allocate; a short unrelated request keeps that out of the timing
     measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
     for temp in temps:
-        for conc in c.concurrency:
+        for conc in c.concurrency_at(temp):
             r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens, temperature=temp,
                         k=spec["num_speculative_tokens"] if spec else 0, timeout_s=c.request_timeout_s)
             token_ids = r.pop("token_ids")
             if (rnd == 1 and temp == 0 and conc == min(c.concurrency) and reuse_replay
                     and method in (None, lossless_method)):
                 m.ids[drafter] = token_ids
-            m.runs.append({"drafter": drafter, "draft_sample_method": method, "temperature": temp, "round": rnd, **r})
+            m.runs.append({"drafter": drafter, "draft_sample_method": method, "temperature": temp, "round": rnd,
+                           "k": spec["num_speculative_tokens"] if spec else 0, **r})
             bar.advance(1)
             log.info("ab_live %s T=%g c%d: %.1f tok/s, τ %s, p50 %.2f s", name, temp, conc, r["tok_s"], r["tau"],
                      r["latency_s"]["p50"] or 0)
@@ -138,31 +145,89 @@ def _one_server(c: "AbLiveConfig", srv, turns: list[ReplayTurn], rnd: int, draft
                                  temperature=0.0, timeout_s=c.request_timeout_s)["token_ids"]
 
 
+def _engine_error(log_path: Path) -> str | None:
+    """The engine's last error line in a server log (what it said when it refused a setting), or None."""
+    if not log_path.is_file():
+        return None
+    lines = [re.sub(r"^.*?\] ", "", ln).strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    errs = [ln for ln in lines if re.search(r"(Error|error:|not supported|does not support)", ln)]
+    return errs[-1].split(" [type=", 1)[0][:300] if errs else None
+
+
+def _schedule_server(c: "AbLiveConfig", serving: "ServingConfig", d: AbDrafters, turns: list[ReplayTurn],
+                     plan: dict[float, list[str]], engine: Engine, logs: Path, shared: Path, m: Measured, bar) -> None:
+    """Derive the schedule from the sweep the rounds measured and serve it on one more server, measured at every
+    concurrency at the gate's temperature (``c.rounds`` times). A refusal by the engine is recorded with its words."""
+    t0, m0 = primary_of(plan)
+    base = _spec(c, d, "candidate", m0, engine) or {}
+    base.pop("num_speculative_tokens", None)
+    rec = schedule_record(sweep_of(m.runs, t0, m0, c.num_speculative_tokens), c.schedule_tolerance, base,
+                          temperature=t0, method=m0)
+    m.schedule = rec
+    spec = rec["speculative_config"]
+    if spec is None:
+        rec["refusal"] = "speculation beats no speculation at no measured concurrency: the release serves without it"
+        bar.advance(c.rounds * len(c.concurrency))
+        return
+    if not c.schedule:
+        rec["refusal"] = "not served here (ab_live.schedule is false)"
+        bar.advance(c.rounds * len(c.concurrency))
+        return
+    log_path = logs / f"server-r{c.rounds}-{SCHEDULE}-{m0}.log"
+    try:
+        with serve(_served_dir(d, "candidate", shared), serving, speculative_config=spec, log_path=log_path,
+                   served_model_name="target") as srv:
+            m.servers.append({"round": c.rounds, "drafter": SCHEDULE, "draft_sample_method": m0, "temperatures": [t0],
+                              "startup_s": srv.startup_s, "speculative_config": spec})
+            measure(srv, [WARMUP], concurrency=1, max_tokens=8, temperature=0.0, timeout_s=c.request_timeout_s)
+            for rnd in range(1, c.rounds + 1):
+                for conc in c.concurrency:
+                    r = measure(srv, turns, concurrency=conc, max_tokens=c.max_tokens, temperature=t0, k=spec["num_speculative_tokens"],
+                                timeout_s=c.request_timeout_s)
+                    r.pop("token_ids")
+                    m.runs.append({"drafter": SCHEDULE, "draft_sample_method": m0, "temperature": t0, "round": rnd,
+                                   "k": None, **r})
+                    bar.advance(1)
+                    log.info("ab_live schedule T=%g c%d: %.1f tok/s, τ %s", t0, conc, r["tok_s"], r["tau"])
+        rec["served"] = True
+    except ServingError as e:
+        rec["refusal"] = _engine_error(log_path) or str(e)[:300]
+        log.warning("ab_live: vLLM %s did not serve the schedule %s: %s — its speed is taken from the fixed-K servers",
+                    m.version or "", spec["num_speculative_tokens_per_batch_size"], rec["refusal"])
+
+
 def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters, turns: list[ReplayTurn],
                plan: dict[float, list[str]], engine: Engine, logs: Path) -> Measured:
     """``c.rounds`` rounds of :func:`~drafter.evaluation.ab_live.plan.ab_servers` (the plan's servers, in the fixed
-    order), each server started with ``serving`` and its log at ``logs/server-r<round>-<drafter>[-<method>].log``.
-    A DSpark server the engine refuses raises :class:`StageSkipped` with the engine's words."""
-    servers = ab_servers(plan, drafts_first=drafters.drafts is not None, baseline_at=c.baseline_at)
+    order, with the fine-tuned drafter's sweep over ``c.ks()``), each server started with ``serving`` and its log at
+    ``logs/server-r<round>-<drafter>[-<method>].log``; then the schedule derived from the sweep, served on one more
+    server (:func:`_schedule_server`). A DSpark server the engine refuses raises :class:`StageSkipped` with the
+    engine's words."""
+    dspark = drafters.drafts is not None
+    k = c.num_speculative_tokens
+    sweep = [] if dspark else [sweep_name(x, k) for x in c.ks() if x != k]
+    servers = ab_servers(plan, drafts_first=dspark, baseline_at=c.baseline_at, sweep=sweep)
     t_low = min(plan)
     lossless = (plan[t_low][0], t_low == 0)  # round 1's replay at T=0 is the lossless check's output
     m = Measured(version=engine.version)
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
         shared = Path(tmp) / "served"
-        runs_per_round = sum(len(temps) for _, _, temps in servers) * len(c.concurrency)
-        with progress("ab_live", total=c.rounds * runs_per_round, unit="runs") as bar:
+        runs_per_round = sum(len(c.concurrency_at(t)) for _, _, temps in servers for t in temps)
+        total = c.rounds * (runs_per_round + len(c.concurrency))
+        with progress("ab_live", total=total, unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
                 for drafter, method, temps in servers:
                     spec = _spec(c, drafters, drafter, method, engine)
                     log_path = logs / (f"server-r{rnd}-{drafter}" + (f"-{method}" if method else "") + ".log")
-                    with _dspark_refusal(drafters.drafts is not None, log_path, m.version), \
+                    with _dspark_refusal(dspark, log_path, m.version), \
                             serve(_served_dir(drafters, drafter, shared), serving, speculative_config=spec,
                                   log_path=log_path, served_model_name="target") as srv:
                         m.version = m.version or srv.engine_version
                         m.servers.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
                                           "temperatures": temps, "startup_s": srv.startup_s, "speculative_config": spec})
                         _one_server(c, srv, turns, rnd, drafter, method, temps, spec, lossless, m, bar)
+            _schedule_server(c, serving, drafters, turns, plan, engine, logs, shared, m, bar)
     return m
 
 
@@ -182,4 +247,5 @@ def ab_document(c: "AbLiveConfig", serving: "ServingConfig", m: Measured, plan: 
                    "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes,
                    "heldout": heldout},
         "servers": m.servers, "server_args": list(serving.extra_args), "hardware": hardware, "seconds": seconds,
+        "schedule": m.schedule,
     }

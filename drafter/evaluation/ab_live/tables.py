@@ -2,9 +2,13 @@
 the gate, the report and the card show (see :mod:`drafter.evaluation.ab_live`)."""
 from __future__ import annotations
 
-from drafter.evaluation.ab_live.plan import DRAFTERS, compile_mode
+from statistics import fmean
+
+from drafter.evaluation.ab_live.plan import compile_mode
 from drafter.evaluation.ab_live.results import (NO_ENTRY, AbLiveResult, SummaryEntry, SummaryKey, _ratio, as_ab_live,
                                                 matrix, primary, summary_of, temperatures)
+from drafter.evaluation.ab_live.sweep import (SCHEDULE, best_fixed, drafter_order, released_speeds, schedule_json,
+                                              serve_limit)
 
 
 def _f(x, fmt: str) -> str:
@@ -17,7 +21,7 @@ def _x(x: float | None) -> str:
 
 def _rows(s: dict[SummaryKey, SummaryEntry]) -> list[tuple[float, str, str]]:
     """(temperature, drafter, method) of a parsed summary in table order."""
-    return sorted({k[:3] for k in s}, key=lambda r: (r[0], DRAFTERS.index(r[1]), r[2]))
+    return sorted({k[:3] for k in s}, key=lambda r: (r[0], drafter_order(r[1]), r[2]))
 
 
 def _speed_table(s: dict[SummaryKey, SummaryEntry], rows: list[tuple[float, str, str]], concurrency: list[int]) -> list[str]:
@@ -80,6 +84,49 @@ def _notes(ab: AbLiveResult, s: dict[SummaryKey, SummaryEntry], rows: list[tuple
     return lines
 
 
+def sweep_markdown(result: AbLiveResult | dict) -> str:
+    """Markdown of the sweep and the schedule: per measured concurrency no speculation's tok/s, the fine-tuned
+    drafter's at each K, the scheduled K, the served schedule's tok/s, the released configuration's tok/s and its
+    speedup (:func:`released_speeds`), then the served ``--speculative-config``, where speculation pays and, where a
+    server with the drafter is slower even with speculation off, the users above which the release serves without
+    it. Empty for an A/B without a sweep."""
+    ab = as_ab_live(result)
+    sc = ab.schedule
+    if sc is None:
+        return ""
+    speeds, s = released_speeds(ab), summary_of(ab)
+    head = ["users", "no speculation tok/s", *[f"K={k} tok/s" for k in sc.ks], "scheduled K", "served schedule tok/s",
+            "released tok/s", "× no speculation", "best fixed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for ch in sc.choices:
+        by_k = sc.sweep.get(ch.concurrency, {})
+        sp = speeds.get(ch.concurrency)
+        best = best_fixed(ab, ch.concurrency)
+        served = s.get((sc.temperature, SCHEDULE, sc.method, ch.concurrency), NO_ENTRY).tok_s
+        cells = [str(ch.concurrency), _f(fmean(by_k[0]) if by_k.get(0) else None, ".1f"),
+                 *[_f(fmean(by_k[k]) if by_k.get(k) else None, ".1f") for k in sc.ks], str(ch.k), _f(served, ".1f"),
+                 _f(sp.tok_s if sp else None, ".1f"), _x(sp.speedup if sp else None),
+                 "—" if best is None else ("no speculation" if best[0] == 0 else f"K={best[0]}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    spec = schedule_json(sc.speculative_config)
+    lines += ["", f"Schedule (T={sc.temperature:g}, {sc.method} drafts; a K counts only if it beats no speculation by "
+              f"more than {sc.tolerance:.0%}): " + ("speculation off everywhere" if spec is None else f"`{spec}`") + "."]
+    if sc.served:
+        lines.append("The schedule was served by vLLM itself and measured (served schedule tok/s above).")
+    else:
+        lines.append(f"The schedule was not served here ({sc.refusal}); released tok/s are the fixed-K servers' for the "
+                     "scheduled K.")
+    lines.append(f"Speculation pays up to {sc.pays_up_to} concurrent user{'s' if sc.pays_up_to != 1 else ''} on this "
+                 "hardware." if sc.pays_up_to else
+                 "Speculation pays at no measured concurrency on this hardware: serve without it.")
+    limit = serve_limit(ab)
+    if limit:
+        lines.append(f"Above {limit} user{'s' if limit != 1 else ''} the release is served without the drafter: a "
+                     "server with it loaded was slower than no speculation there even with speculation off (vLLM runs "
+                     "the drafter's first pass on every token to keep its cache in sync).")
+    return "\n".join(lines) + "\n"
+
+
 def ab_table(result: AbLiveResult | dict, concurrency: list[int]) -> str:
     """Markdown: per temperature, drafter and draft sampling, live τ, tok/s and speedup vs no speculation (at the
     same temperature) at each concurrency, per-request latency p50; then the lossless check and what was not
@@ -88,6 +135,8 @@ def ab_table(result: AbLiveResult | dict, concurrency: list[int]) -> str:
     s = summary_of(ab)
     rows = _rows(s)
     lines = _speed_table(s, rows, concurrency) + _server_table(s, rows, concurrency)
+    sweep = sweep_markdown(ab)
+    lines += (["", "The sweep and the released schedule:", "", sweep.rstrip("\n")] if sweep else [])
     return "\n".join(lines + [""] + _notes(ab, s, rows)) + "\n"
 
 
