@@ -321,9 +321,10 @@ def materialize(module: torch.nn.Module, device: torch.device, generator: torch.
 
 def check_v3(gpu: torch.device, dry: bool, window: int, steps: int) -> list[Check]:
     """The DeepSeek-V3 MTP layer at its real size: built on the meta device, materialized on the GPU with random
-    weights (frozen bf16, trainable float32), trained with the project's step (lk_hybrid, K=2, bf16 autocast,
-    AdamW) on a window of assistant tokens; the peak against ``drafter plan``'s estimate for the same settings."""
+    weights (frozen bf16, trainable float32; routed experts by one grouped matmul, train.experts auto), trained
+    with the project's step (lk_hybrid, K=2, bf16 autocast, AdamW) on a window of assistant tokens; the peak against ``drafter plan``'s estimate for the same settings."""
     from drafter.core.config import TrainConfig
+    from drafter.models.experts import set_experts
     from drafter.models.layouts import DeepSeekV3Layout
     from drafter.models.mtp import freeze
     from drafter.training import losses as L
@@ -338,6 +339,7 @@ def check_v3(gpu: torch.device, dry: bool, window: int, steps: int) -> list[Chec
     n_train, _ = freeze(d, cfg.freeze)
     g = torch.Generator(device=gpu).manual_seed(0)
     materialize(d, gpu, g)
+    experts = set_experts(d, "auto")  # bf16 frozen experts: one grouped matmul where the kernel takes them
     plan = plan_memory(mtp_shape(config, cfg.freeze), cfg, dims_source="configs/targets/deepseek-v3-0324.config.json",
                        frozen_dtype="bfloat16", gpu_memory=141 * 2**30)
     H, V = config["hidden_size"], config["vocab_size"]
@@ -349,7 +351,7 @@ def check_v3(gpu: torch.device, dry: bool, window: int, steps: int) -> list[Chec
                        gpu, steps, lr=1e-5)
     peak = peak_gib(gpu)
     planned = plan.total / 2**30
-    c.cpu = f"{n_all / 1e9:.2f} B params, {n_train / 1e6:.1f} M trainable; plan {planned:.2f} GiB"
+    c.cpu = f"{n_all / 1e9:.2f} B params, {n_train / 1e6:.1f} M trainable, experts {experts}; plan {planned:.2f} GiB"
     c.gpu = f"{window / step:,.0f} tok/s" + (f", peak {peak:.1f} GiB" if peak is not None else "")
     if peak is not None:
         c.compare = f"measured/plan {peak / planned:.2f}"

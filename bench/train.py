@@ -4,6 +4,7 @@ in the LM head (the part worth fusing or chunking) — the MTP step and the DSpa
     .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
                                     [--threads N] [--kinds mtp,dspark] [--draft-vocab 8192]
                                     [--block 5] [--anchors 64] [--markov-rank 64]
+                                    [--device cpu] [--bf16] [--experts-e 64] [--experts-top-k 8] [--experts-hidden 256]
 
 Uses the demo store's target and captured features when present (run `make demo` first),
 otherwise the tiny test target with random windows. Measures, in one run, a full MTP training step
@@ -21,6 +22,9 @@ same shapes) and its share of the step. Then a DSpark step on the same windows
 ``--anchors`` per window, Markov and confidence heads; random context features when the capture has
 no such layers: their values do not change the step's cost). Each kind runs in its own process, so
 each peak memory (max RSS) is that step's own (the MTP one holds three drafters and three optimizers).
+Last (``experts``, on ``--device``) the routed experts computed by transformers' loop (``train.experts: eager``)
+against one grouped matmul (``grouped_mm``, drafter/models/experts.py) on the general MoE path: the demo's layer
+and a DeepSeek-V3-shaped layer scaled to the CPU (``--experts-e`` experts, top ``--experts-top-k``).
 """
 from __future__ import annotations
 
@@ -100,6 +104,86 @@ def dspark_step(args, target: Path, wins: list[Window], head: torch.Tensor) -> d
             "trainable": sum(p.numel() for p in draft.parameters())}
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def v3_shaped_layer(args, dev: torch.device):
+    """A DeepSeek-V3-shaped MTP layer at a CPU-sized scale (MLA, grouped sigmoid routing; ``--experts-e`` routed
+    experts, top ``--experts-top-k``, hidden ``--experts-hidden``) with random weights, and its LM head."""
+    from tests.helpers.deepseek import tiny_deepseek_v3_config
+    from drafter.models import DeepSeekV3Layout
+
+    H, E = args.experts_hidden, args.experts_e
+    cfg = tiny_deepseek_v3_config(vocab_size=4096, hidden_size=H, n_routed_experts=E)
+    cfg |= {"moe_intermediate_size": H // 4, "num_experts_per_tok": args.experts_top_k, "n_group": 8, "topk_group": 4,
+            "kv_lora_rank": H // 4, "q_lora_rank": H // 2, "intermediate_size": 2 * H}
+    torch.manual_seed(0)
+    d = DeepSeekV3Layout().build(cfg, device=None)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return d.to(dev), torch.randn(cfg["vocab_size"], H) * H ** -0.5
+
+
+def experts_step(args, drafter, head: torch.Tensor, wins: list[Window]) -> dict:
+    """The MTP step with transformers' loop over the routed experts (``train.experts: eager``) against one grouped
+    matmul (``grouped_mm``), same weights and windows, both on the general MoE path (the one-pass shortcut off): the
+    demo's layer and a V3-shaped one (see :func:`v3_shaped_layer`)."""
+    from drafter.models.experts import set_experts
+
+    dev = torch.device(args.device)
+    cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma).to(dev)
+    out = {}
+    v3, v3_head = v3_shaped_layer(args, dev)
+    g = torch.Generator().manual_seed(0)
+    v3_wins = [Window(f"r{i}", 0, torch.randint(0, v3_head.shape[0], (args.window,), generator=g),
+                      torch.ones(args.window, dtype=torch.bool), torch.randn(args.window, v3_head.shape[1], generator=g))
+               for i in range(8)]
+    for name, base, hd, ws in (("demo layer", drafter.to(dev), head, wins),
+                               (f"V3-shaped (E={args.experts_e}, top-{args.experts_top_k}, H={args.experts_hidden})",
+                                v3, v3_head, v3_wins)):
+        base.set_shortcuts(False)
+        freeze(base, cfg.freeze)
+        paths = {impl: copy.deepcopy(base) for impl in ("eager", "grouped_mm")}
+        for impl, d in paths.items():
+            set_experts(d, impl)
+        opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
+        hd = hd.to(dev)
+        t = {k: 0.0 for k in paths}
+        losses = {k: [] for k in paths}
+        toks = 0
+        for i in range(args.steps + 1):  # step 0 warms up
+            for k, d in paths.items():
+                _sync(dev)
+                t0 = time.perf_counter()
+                for j in range(args.micro_batch):
+                    w = ws[(i * args.micro_batch + j) % len(ws)].to(dev)
+                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
+                        loss, _ = window_loss(d, hd, w, cfg, weights)
+                    (loss / args.micro_batch).backward()
+                    if i:
+                        losses[k].append(float(loss.detach()))
+                        toks += len(w.input_ids) if k == "eager" else 0
+                opts[k].step()
+                opts[k].zero_grad(set_to_none=True)
+                _sync(dev)
+                if i:
+                    t[k] += time.perf_counter() - t0
+        tok_s = {k: toks / t[k] for k in paths}
+        diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["eager"], losses["grouped_mm"]))
+        out[name] = {"eager": tok_s["eager"], "grouped_mm": tok_s["grouped_mm"], "loss_diff": diff}
+    print(f"\nrouted experts on {dev} ({'bf16 autocast' if args.bf16 else 'float32'}; K={args.k}, window {args.window}, "
+          f"micro batch {args.micro_batch}, {args.steps} steps; the general MoE path)")
+    print(f"{'layer':<44}{'loop tok/s':>12}{'grouped tok/s':>15}{'grouped / loop':>16}{'loss rel. diff':>16}")
+    for name, r in out.items():
+        print(f"{name:<44}{r['eager']:>12,.1f}{r['grouped_mm']:>15,.1f}{r['grouped_mm'] / r['eager']:>15.2f}×"
+              f"{r['loss_diff']:>16.1e}")
+    return {"experts": out}
+
+
 def _child(kind: str, argv: list[str], q) -> None:
     sys.argv = [sys.argv[0], *argv]
     q.put(main(kind))
@@ -117,10 +201,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--markov-rank", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--kinds", default="mtp,dspark", help="steps to measure, comma-separated")
+    ap.add_argument("--kinds", default="mtp,dspark,experts", help="steps to measure, comma-separated")
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="also time the step over a draft vocabulary of N tokens (train.draft_vocab_size), fp32 and "
                          "bf16; 0: skip")
+    ap.add_argument("--device", default="cpu", help="device of the experts comparison (cpu, cuda, cuda:N)")
+    ap.add_argument("--bf16", action="store_true", help="experts comparison under bf16 autocast")
+    ap.add_argument("--experts-e", type=int, default=64, help="routed experts of the V3-shaped layer")
+    ap.add_argument("--experts-top-k", type=int, default=8)
+    ap.add_argument("--experts-hidden", type=int, default=256)
     return ap.parse_args()
 
 
@@ -136,7 +225,7 @@ def main(kind: str | None = None) -> dict | None:
             p.start()
             res[k] = q.get()
             p.join()
-        if set(res) != {"mtp", "dspark"}:
+        if not {"mtp", "dspark"} <= set(res):
             return None
         m, d = res["mtp"], res["dspark"]
         print(f"\n{'step':<34}{'s/step':>9}{'tokens/s':>10}{'peak RSS MiB':>14}")
@@ -169,6 +258,8 @@ def main(kind: str | None = None) -> dict | None:
         source = "random windows (no captured features in the store: their values do not change a step's cost)"
     if kind == "dspark":
         return dspark_step(args, target, wins, head)
+    if kind == "experts":
+        return experts_step(args, drafter, head, wins)
     cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
     n_train, n_frozen = freeze(drafter, cfg.freeze)
     fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)

@@ -76,8 +76,9 @@ def print_publish(summary: dict, send_cmd: str | None = None) -> None:
 
 
 def print_memory_plan(cfg: ReleaseConfig, target_art, target_config: Optional[Path], gpu_bytes: int) -> None:
-    """The memory plan of ``drafter plan``: one column with the frozen weights in float32 (today), one in bfloat16."""
+    """The memory plan of ``drafter plan``: one column with the frozen weights in float32, one in bfloat16 (the one train.frozen_dtype holds marked)."""
     from drafter.training import memory
+    from drafter.training.frozen import frozen_dtype_of
 
     GiB = memory.GiB
     if target_config is not None:
@@ -110,13 +111,16 @@ def print_memory_plan(cfg: ReleaseConfig, target_art, target_config: Optional[Pa
     typer.echo(f"GPU memory of one training step per rank ({cfg.train.loss}, {step}, compute {p32.compute_dtype}, "
                f"loss over {p32.loss_vocab:,} tokens), GiB:")
     w = max(len(ln.what) for ln in p32.lines)
-    typer.echo(f"  {'':{w}}  {'frozen f32':>10}  {'frozen bf16':>11}  formula (frozen float32 = today)")
+    used = frozen_dtype_of(cfg.train)
+    typer.echo(f"  {'':{w}}  {'frozen f32':>10}  {'frozen bf16':>11}  formula (training holds frozen weights in "
+               f"{used}: train.frozen_dtype)")
     by16 = {ln.what.replace("(bfloat16)", "(float32)"): ln for ln in p16.lines}
     for ln in p32.lines:
         other = by16.get(ln.what)
         typer.echo(f"  {ln.what:{w}}  {ln.bytes / GiB:10.2f}  {(f'{other.bytes / GiB:.2f}' if other else '—'):>11}  {ln.formula}")
     typer.echo(f"  {'total':{w}}  {p32.total / GiB:10.2f}  {p16.total / GiB:11.2f}")
-    for name, pl in (("frozen float32 (today)", p32), ("frozen bfloat16", p16)):
+    for name, pl in ((f"frozen float32{' (training)' if used == 'float32' else ''}", p32),
+                     (f"frozen bfloat16{' (training)' if used == 'bfloat16' else ''}", p16)):
         gpu = f"{gpu_bytes / GiB:g} GiB GPU ({pl.usable / GiB:.1f} GiB usable)"
         if pl.fits_one_gpu:
             verdict = (f"fits one {gpu}; train.nproc_per_node {cfg.train.nproc_per_node} = "

@@ -49,6 +49,15 @@ def Device(what: str) -> Any:  # noqa: N802 - used like pydantic's Field
                        "stage keys (the same result on any device, within float tolerance).")
 
 
+def Experts(what: str) -> Any:  # noqa: N802 - used like pydantic's Field
+    """An operational ``experts`` field: how routed experts are computed (drafter.models.experts)."""
+    return Operational("auto", pattern=r"^(auto|eager|grouped_mm)$",
+                       description=f"How {what} computes a MoE drafter's routed experts: `grouped_mm` (one grouped "
+                       "matmul over all experts), `eager` (transformers' loop, one matmul pair per expert) or `auto` "
+                       "(grouped_mm where torch's kernel takes the experts' device and dtype: any on the CPU, bfloat16 "
+                       "on CUDA). Operational: the same result within float tolerance.")
+
+
 def refuse_api_key_arg(args: list[str]) -> list[str]:
     """Server arguments must not carry vLLM's ``--api-key`` (the command line is written to the server log)."""
     if any(a.split("=", 1)[0] == "--api-key" for a in args):

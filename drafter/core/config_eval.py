@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
-from drafter.core.config_base import Device, Operational, Section, refuse_api_key_arg
+from drafter.core.config_base import Device, Experts, Operational, Section, refuse_api_key_arg
 from drafter.core.config_data import ServingConfig
 
 
@@ -45,6 +45,7 @@ class EvalOfflineConfig(Section):
         "(drafter step vs target forward on the held-out windows, this machine).")
     cost_repeats: int = Field(5, ge=1, description="Timed repeats (after one warmup) of the draft-cost measurement; the median counts.")
     device: str = Device("the offline evaluation")
+    experts: str = Experts("the offline evaluation")
     speed_rule: Literal["t0", "t1_greedy", "t1_prob"] = Field(
         "t0", description="Acceptance rule whose τ(K) gives the expected speed and the recommended K "
         "(t0: greedy target; t1_greedy / t1_prob: T=1 with greedy / probabilistic drafts).")

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from drafter.core.config_base import Device, Operational, Section
+from drafter.core.config_base import Device, Experts, Operational, Section
 
 
 LOSS_NAMES = ("kl", "tv", "lk_alpha", "lk_hybrid", "ce", "ce_l1")
@@ -48,6 +48,11 @@ class TrainConfig(Section):
         "the bootstrap and the fine-tune never see the same rows).")
     save_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the written tensors.")
     device: str = Device("training (and its held-out checks)")
+    experts: str = Experts("training")
+    frozen_dtype: Literal["auto", "float32", "bfloat16"] = Operational(
+        "auto", description="dtype of the frozen matmul weights (experts, output head, bf16-exact embeddings) during "
+        "training: `auto` = bfloat16 under `dtype: bfloat16` (autocast casts them anyway: the same numbers, half the "
+        "memory, no per-use copies), else float32. The written drafter keeps their original values.")
     nproc_per_node: int = Field(1, ge=1, description="Training processes (one per GPU): >1 runs the same loop under "
                                 "torchrun (gradients averaged across ranks; NCCL on GPUs, gloo on CPU).")
     draft_vocab_size: int = Field(
@@ -56,6 +61,13 @@ class TrainConfig(Section):
         "project's plugin computes draft logits over those rows of the output head only (drafter/serving/draft_vocab.py). "
         "The fine-tune trains over it too: draft and target logits over those tokens (the target's distribution "
         "renormalised over them; CE counts only labels inside), a head |V'|/|V| the cost. Lossless; 0 = the whole vocabulary.")
+
+    @model_validator(mode="after")
+    def _frozen_needs_bf16_compute(self) -> "TrainConfig":
+        if self.frozen_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("frozen_dtype: bfloat16 needs dtype: bfloat16 (float32 compute would mix float32 inputs "
+                             "with bfloat16 weights); set dtype: bfloat16 or frozen_dtype: auto")
+        return self
 
 
 class BootstrapConfig(TrainConfig):

@@ -45,6 +45,7 @@ from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_a
                                         measure_draft_cost, plot_acceptance_per_position, plot_tau_vs_k,
                                         render_markdown)
 from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
+from drafter.models.experts import set_experts
 from drafter.training.run import target_embedding
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
@@ -200,6 +201,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     device = resolve_device(c.device)
     drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)).to(device),
                 "candidate": load_drafter(model_dir, layout, weights=candidate).to(device)}
+    for d in drafters.values():
+        set_experts(d, c.experts)
     head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
     vocab_file = inputs["train"].path / DRAFT_VOCAB_FILE
     draft_vocab = None

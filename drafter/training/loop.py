@@ -38,6 +38,8 @@ from drafter.training import losses as L
 from drafter.evaluation.acceptance import acceptance, model_device, target_logits
 from drafter.core.config import TrainConfig
 from drafter.models import freeze
+from drafter.models.experts import set_experts
+from drafter.training.frozen import frozen_dtype_of, hold_frozen
 from drafter.core.progress import progress
 from drafter.data.windows import Window, window_order
 
@@ -201,6 +203,28 @@ def _default_fns(drafter, head_weight: torch.Tensor, eval_windows: list[Window],
     return loss_fn, evaluate
 
 
+def _hold(drafter, cfg: TrainConfig, device: torch.device):
+    """The frozen weights in ``train.frozen_dtype`` (:mod:`drafter.training.frozen`), then the routed experts'
+    path (``train.experts``: it reads their dtype), and the step's autocast: ``(held, experts, autocast)``."""
+    held = hold_frozen(drafter, frozen_dtype_of(cfg, device.type))
+    experts = set_experts(drafter, cfg.experts)  # None: no routed experts (a DSpark draft computes its own)
+    return held, experts, L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+
+
+def _held_note(held: dict, experts: str | None) -> str:
+    return ((f"; routed experts: {experts}" if experts else "")
+            + (f"; {held['tensors']} frozen weight tensors held in {held['dtype']} ({held['bytes_saved'] / 2**20:,.1f} "
+               "MiB less)" if held["tensors"] else ""))
+
+
+def _under(ctx, fn: Callable[[], dict]) -> Callable[[], dict]:
+    """``fn`` run inside the (re-entrant) context manager ``ctx``."""
+    def run() -> dict:
+        with ctx:
+            return fn()
+    return run
+
+
 def _baseline_acceptance(path: Path, evaluate: Callable[[], dict], rank: int) -> dict:
     """The held-out acceptance before training: measured once (rank 0 keeps it in ``path``), read on a resume."""
     if path.is_file():
@@ -268,16 +292,16 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         log = lambda *_: None  # noqa: E731 — rank 0 speaks for all
     torch.manual_seed(cfg.seed)
     n_trainable, n_frozen = freeze(drafter, cfg.freeze)
-    params, opt = _optimizer(drafter, cfg)
     device = model_device(drafter, head_weight)
+    held, experts, autocast = _hold(drafter, cfg, device)
+    params, opt = _optimizer(drafter, cfg)
     loss_fn, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
-
+    evaluate = _under(autocast, evaluate) if held["tensors"] else evaluate  # bf16 frozen: checks under autocast too
     start, history = _resume(latest, drafter, opt, cfg.max_steps, log)
     baseline = _baseline_acceptance(workdir / "baseline_acceptance.json", evaluate, rank)
     log(f"train: {n_trainable:,} trainable / {n_frozen:,} frozen parameters; {len(train_windows)} windows; "
-        f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}")
+        f"held-out τ before: T=0 {baseline['t0']['tau']:.3f}, T=1 {baseline['t1_greedy']['tau']:.3f}" + _held_note(held, experts))
 
-    autocast = L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     per_step = cfg.micro_batch * cfg.grad_accum
     drafter.train()
     t0, tokens, done_now = time.monotonic(), 0, 0
@@ -321,7 +345,8 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     final = last_eval if last_eval is not None else evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
             "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
-            "resumed_from": start, "world_size": world}
+            "resumed_from": start, "world_size": world, "experts": experts,
+            "frozen_dtype": held["dtype"] if held["tensors"] else "float32"}
 
 
 def plot_curves(history: list[dict], path: Path, title: str) -> Path:

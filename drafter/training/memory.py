@@ -8,9 +8,10 @@ terms, each with its formula (N: parameters, b(x): bytes of dtype x, c: the comp
 under ``train.dtype: bfloat16`` autocast, else float32; T: ``train.window``; K: ``train.k_steps``;
 V': the vocabulary the loss runs over (``train.draft_vocab_size`` or the whole vocabulary)):
 
-* **frozen weights** N_frozen · b(frozen). Today :func:`drafter.models.load_drafter` holds every weight in
-  float32 (``dtype=torch.float32``); ``frozen_dtype="bfloat16"`` plans the target state (frozen weights
-  in bfloat16).
+* **frozen weights** N_frozen · b(frozen): training holds the frozen matmul weights in ``train.frozen_dtype``
+  (:mod:`drafter.training.frozen`; ``auto``: bfloat16 under bfloat16 compute, else float32 as
+  :func:`drafter.models.load_drafter` loads them); the plan counts every frozen weight in it (routers and
+  norms, kept float32, are a negligible share).
 * **trainable weights** N_train · 4: float32 — AdamW updates them in place, so they are the master copy
   (holding them in bfloat16 would need a float32 master copy: the same 4 bytes, plus 2).
 * **gradients** N_train · 4 (float32, as the weights); **AdamW state** N_train · 8 (``exp_avg`` and
@@ -54,6 +55,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+
+from drafter.training.frozen import frozen_dtype_of
 
 GiB = 1024 ** 3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -340,7 +343,7 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
                 reserve: float = DEFAULT_RESERVE) -> MemoryPlan:
     """The memory plan of one training step of ``shape`` under ``train`` (a :class:`TrainConfig`).
 
-    ``frozen_dtype``: the dtype frozen weights are held in (float32 today, see the module docstring).
+    ``frozen_dtype``: the dtype frozen weights are held in (``train.frozen_dtype``, see the module docstring).
     DSpark: ``anchors`` × ``block_size`` block tokens per window in one pass (no K unrolling)."""
     p = shape.params
     c = "bfloat16" if train.dtype == "bfloat16" else "float32"
@@ -395,8 +398,8 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
         rows * Vp * (2 * bc + 4))
     assumptions = [
         f"frozen weights held in {frozen_dtype}"
-        + (" (today: load_drafter loads every weight in float32)" if frozen_dtype == "float32" else
-           " (not what load_drafter does today: it loads float32)"),
+        + (" (train.frozen_dtype: what this config's training does)" if frozen_dtype == frozen_dtype_of(train) else
+           " (not what this config's training does: see train.frozen_dtype)"),
         "trainable weights, gradients and AdamW state in float32 (16 B per trainable parameter)",
         f"compute in {c}" + (" (train.dtype bfloat16: autocast)" if c == "bfloat16" else ""),
         f"micro_batch {train.micro_batch}: windows run one at a time (activations of one window at once)",
@@ -425,9 +428,11 @@ def shape_for_config(cfg, target: TargetConfig) -> DrafterShape:
     return mtp_shape(target.config, cfg.train.freeze)
 
 
-def plan_for_config(cfg, target: TargetConfig, *, frozen_dtype: str = "float32", gpu_memory: int = 80 * GiB,
+def plan_for_config(cfg, target: TargetConfig, *, frozen_dtype: str | None = None, gpu_memory: int = 80 * GiB,
                     reserve: float = DEFAULT_RESERVE) -> MemoryPlan:
-    """:func:`plan_memory` for a :class:`ReleaseConfig`'s ``train`` section and drafter."""
+    """:func:`plan_memory` for a :class:`ReleaseConfig`'s ``train`` section and drafter; ``frozen_dtype`` None:
+    the one its training holds frozen weights in (:func:`~drafter.training.frozen.frozen_dtype_of`)."""
+    frozen_dtype = frozen_dtype or frozen_dtype_of(cfg.train)
     shape = shape_for_config(cfg, target)
     return plan_memory(shape, cfg.train, dims_source=target.source, frozen_dtype=frozen_dtype, gpu_memory=gpu_memory,
                        anchors=cfg.dspark.anchors if cfg.dspark.enabled else None,

@@ -28,6 +28,7 @@ from drafter.models.dspark import DSPARK_DIR
 from drafter.models.target import read_tensor
 from drafter.core.errors import StageError
 from drafter.core.hardware import describe, device_label, resolve_device
+from drafter.training.frozen import restore_frozen
 from drafter.training.loop import dist_info, plot_curves, train
 from drafter.data.windows import in_calibration_slice, load_windows
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, build_draft_vocab, save_draft_vocab
@@ -55,7 +56,7 @@ class HeldoutCheck(Part):
 
 class TrainResult(ResultFile):
     """``result.json`` of a training run (``train``, its ablations, ``bootstrap_drafter``). Outputs from before a
-    field was recorded lack it: ``world_size`` (1), ``device``, ``hardware``, ``draft_vocab``, ``recalibration``."""
+    field was recorded lack it: ``world_size`` (1), ``device``, ``experts``, ``hardware``, ``draft_vocab``, ``recalibration``."""
 
     NAME: ClassVar[str] = RESULT_JSON
     baseline: HeldoutCheck
@@ -79,6 +80,8 @@ class TrainResult(ResultFile):
     recalibration: dict | None = None
     fresh_process: bool | None = None
     device: str | None = None
+    experts: str | None = None
+    frozen_dtype: str | None = None
     hardware: dict | None = None
 
 
@@ -119,6 +122,8 @@ def run_training(model_dir: Path, capture, cfg: TrainConfig, out: Path, *, weigh
     res = train(drafter, head, train_w, eval_w, cfg, out / "work", log=log, draft_vocab=ids)
     if rank != 0:
         return {}
+    if res.get("frozen_dtype", "float32") != "float32":  # the written frozen tensors keep their loaded values
+        restore_frozen(drafter, load_drafter(model_dir, layout, weights=weights))
     save_drafter(drafter.cpu(), out / TRAINED_NAME, layout, getattr(torch, cfg.save_dtype))
     vocab = write_draft_vocab(capture, ids, cfg, out, head.shape[0]) if ids is not None else None
     return _finish(res, out, title, {"layout": layout.name, "loss": cfg.loss, "k_steps": cfg.k_steps,
