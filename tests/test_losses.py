@@ -163,3 +163,23 @@ def test_fused_hybrid_equals_the_autograd_reference(monkeypatch, temperature):
 def test_fused_hybrid_names_mismatched_shapes():
     with pytest.raises(ValueError, match=r"draft logits \(3, 5\) and target logits \(3, 4\) differ in shape"):
         L.lk_hybrid(torch.zeros(3, 5), torch.zeros(3, 4))
+
+
+def test_loss_chunks_are_sized_per_device(monkeypatch):
+    """8 rows on the CPU (cache-sized); on a GPU (and meta) rows up to 128 MiB per float32 temporary — the
+    whole window at a draft vocabulary of 8,192, 259 rows at DeepSeek-V3's 129,280; one chunk or many, the same
+    loss and gradient."""
+    assert L.chunk_rows("cpu", 49_152) == 8
+    assert L.chunk_rows("cuda", 8192) == 4096 and L.chunk_rows("meta", 8192) == 4096
+    assert L.chunk_rows("cuda", 129_280) == 259 and L.chunk_rows("cuda", 10 ** 9) == 8
+    g = torch.Generator().manual_seed(3)
+    p, q0 = torch.randn(37, 503, generator=g) * 3, torch.randn(37, 503, generator=g) * 3
+    out = {}
+    for rows in (8, 37):
+        monkeypatch.setattr(L, "chunk_rows", lambda device_type, vocab, rows=rows: rows)
+        q = q0.clone().requires_grad_(True)
+        loss, _ = L.lk_hybrid(q, p)
+        loss.backward()
+        out[rows] = (loss.detach(), q.grad)
+    torch.testing.assert_close(out[37][0], out[8][0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[37][1], out[8][1], rtol=1e-5, atol=1e-9)

@@ -33,7 +33,8 @@ V': the vocabulary the loss runs over (``train.draft_vocab_size`` or the whole v
   step: the fused LK-hybrid loss (:class:`drafter.training.losses.LKHybridRows`) keeps only its float32
   gradient, n · V' · 4, other losses ~3 float32 [n, V'] tensors (log q, p, and the autograd's copy);
   the working set at the loss: the draft logits n · V' · b(c) plus, in the backward pass, the float32
-  gradient and its cast, n · V' · (4 + b(c)). The fused loss's chunk temporaries (8 rows) are negligible.
+  gradient and its cast, n · V' · (4 + b(c)); the fused loss's chunk temporaries, 6 float32 [rows, V'] with
+  rows = :func:`drafter.training.losses.chunk_rows` on a GPU (≤ 128 MiB each).
 
 GPUs: ``train.nproc_per_node`` ranks each hold a whole replica (data parallel), so a step needs one GPU
 with ``total / (1 − reserve)`` memory per rank; the plan also says how many such GPUs the step would
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from drafter.training.frozen import frozen_dtype_of
+from drafter.training.losses import CHUNK_TEMPORARIES, chunk_rows
 
 GiB = 1024 ** 3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -396,6 +398,10 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
             train.k_steps * rows * Vp * 4 * keep)
     add("loss working set (draft logits; backward gradient + cast)", f"{rows} × {Vp:,} × ({bc} + 4 + {bc})",
         rows * Vp * (2 * bc + 4))
+    if fused and shape.kind != "dspark_v41":
+        ch = min(rows, chunk_rows("cuda", Vp))
+        add("fused loss chunk temporaries (float32)", f"{ch} rows × {Vp:,} × 4 × {CHUNK_TEMPORARIES}",
+            ch * Vp * 4 * CHUNK_TEMPORARIES)
     assumptions = [
         f"frozen weights held in {frozen_dtype}"
         + (" (train.frozen_dtype: what this config's training does)" if frozen_dtype == frozen_dtype_of(train) else
