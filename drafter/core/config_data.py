@@ -196,6 +196,13 @@ class ScrubConfig(Section):
 
 
 class CaptureConfig(Section):
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="What runs the target: `transformers` (in the pipeline's process, on `device`; the whole target "
+        "must fit there) or `vllm` (the serving env's vLLM, with `serving.python`, `serving.env` and "
+        "`--tensor-parallel-size` of `serving.extra_args`, the target in `dtype`; for targets only the serving engine "
+        "holds). The same shards, within float tolerance (docs/training.md, \"Capturing through vLLM\").",
+    )
     layers: list[int] = Field(
         default_factory=list,
         description="Extra decoder layers whose output hidden states are stored (EAGLE-3 style); the LM-head input is always stored.",
@@ -206,3 +213,11 @@ class CaptureConfig(Section):
     shard_tokens: int = Field(16384, ge=16, description="Tokens per output shard (the unit of resume).")
     min_free_margin: float = Operational(1.2, ge=1.0, description="Refuse to start unless free disk ≥ margin × estimated size.")
     device: str = Device("the target's forward passes")
+
+    def key_dump(self) -> dict:
+        """As :meth:`Section.key_dump`, without ``engine`` at its default: the keys of captures made before the
+        field existed (all with transformers) stay valid."""
+        d = super().key_dump()
+        if d.get("engine") == "transformers":
+            del d["engine"]
+        return d

@@ -375,6 +375,89 @@ class CaptureResult:
         }
 
 
+@dataclass
+class CapturePlan:
+    """What a capture still has to do in ``out_dir``: the shards planned, which of them an earlier try
+    already wrote (kept on resume), their fingerprints and the metadata every shard carries. Shared by the
+    engines (:func:`capture_features`, :func:`drafter.data.capture_vllm.capture_features_vllm`), so both
+    write the same files."""
+
+    out_dir: Path
+    plans: list[ShardPlan]
+    done: dict[str, bool]
+    fingerprints: dict[str, str]
+    meta_base: dict[str, str]
+    num_hidden: int
+    hidden_size: int
+    dtype: str
+    res: CaptureResult
+
+    @property
+    def remaining(self) -> list[ShardPlan]:
+        return [p for p in self.plans if not self.done[p.relpath]]
+
+    def remaining_bytes(self) -> int:
+        rem = self.remaining
+        return estimate_bytes(sum(p.num_tokens for p in rem), sum(len(p.seqs) for p in rem), self.num_hidden,
+                              self.hidden_size, self.dtype, len(rem)) if rem else 0
+
+    def write(self, p: ShardPlan, tensors: dict[str, torch.Tensor], seconds: float) -> None:
+        """Check and write shard ``p`` atomically (its metadata as :func:`capture_features` writes it)."""
+        path = self.out_dir / p.relpath
+        row_ids = [s.row_id for s in p.seqs]
+        check_features(tensors, str(path), row_ids)
+        meta = dict(self.meta_base, split=p.split, row_ids=json.dumps(row_ids), num_tokens=str(p.num_tokens),
+                    num_sequences=str(len(p.seqs)), truncated=json.dumps([s.row_id for s in p.seqs if s.truncated]),
+                    plan=self.fingerprints[p.relpath])
+        write_feature_shard(path, tensors, meta)
+        self.res.compute_seconds += seconds
+        self.res.tokens_computed += p.num_tokens
+
+    def record(self, p: ShardPlan) -> None:
+        """Count shard ``p`` (written or kept) in the result."""
+        size = (self.out_dir / p.relpath).stat().st_size
+        self.res.shards_reused += int(self.done[p.relpath])
+        self.res.bytes_written += size
+        self.res.shard_files.append({"path": p.relpath, "tokens": p.num_tokens, "sequences": len(p.seqs),
+                                     "bytes": size, "reused": self.done[p.relpath]})
+
+
+def plan_capture(seqs: list[Sequence], out_dir: Path, *, layers: list[int], hidden_size: int, dtype: str,
+                 shard_tokens: int) -> CapturePlan:
+    """Plan the shards of ``seqs`` and find those an earlier try left in ``out_dir`` that match the plan
+    (kept); other shard files there are removed."""
+    out_dir = Path(out_dir)
+    names = hidden_tensor_names(layers)
+    plans = plan_shards(seqs, shard_tokens)
+    res = CaptureResult(tokens=sum(len(s) for s in seqs), sequences=len(seqs), shards=len(plans),
+                        truncated=sum(s.truncated for s in seqs))
+    res.estimated_bytes = estimate_bytes(res.tokens, res.sequences, len(names), hidden_size, dtype, max(len(plans), 1))
+    for split in SPLITS:
+        sp = [s for s in seqs if s.split == split]
+        res.per_split[split] = {"sequences": len(sp), "tokens": sum(len(s) for s in sp),
+                                "shards": sum(p.split == split for p in plans)}
+
+    # which shards are already done (a previous try of this same output)
+    planned = {p.relpath for p in plans}
+    for split in SPLITS:
+        for f in list_shards(out_dir / split, "safetensors"):
+            if f"{split}/{f.name}" not in planned:
+                f.unlink()
+    done: dict[str, bool] = {}
+    fingerprints = {p.relpath: p.fingerprint() for p in plans}
+    meta_base = {"format": FORMAT, "layers": json.dumps(layers), "hidden_size": str(hidden_size), "dtype": dtype,
+                 "hidden_final": "LM-head input: last decoder layer output after the final norm"}
+    for p in plans:
+        path = out_dir / p.relpath
+        meta = read_shard_metadata(path) if path.exists() else None
+        ok = meta is not None and meta.get("plan") == fingerprints[p.relpath] and all(
+            meta.get(k) == v for k, v in meta_base.items())
+        if path.exists() and not ok:
+            path.unlink()
+        done[p.relpath] = ok
+    return CapturePlan(out_dir, plans, done, fingerprints, meta_base, len(names), hidden_size, dtype, res)
+
+
 def capture_features(
     model,
     seqs: list[Sequence],
@@ -394,76 +477,35 @@ def capture_features(
     ``out_dir`` whose metadata matches the plan are kept (resume); others are recomputed. Each
     shard is checked (:func:`check_features`) before it is written atomically.
     """
-    out_dir = Path(out_dir)
     layers = list(layers)
-    names = hidden_tensor_names(layers)
-    H = int(text_config(model).hidden_size)
-    plans = plan_shards(seqs, shard_tokens)
-    res = CaptureResult(tokens=sum(len(s) for s in seqs), sequences=len(seqs), shards=len(plans),
-                        truncated=sum(s.truncated for s in seqs))
-    res.estimated_bytes = estimate_bytes(res.tokens, res.sequences, len(names), H, dtype, max(len(plans), 1))
-    for split in SPLITS:
-        sp = [s for s in seqs if s.split == split]
-        res.per_split[split] = {"sequences": len(sp), "tokens": sum(len(s) for s in sp),
-                                "shards": sum(p.split == split for p in plans)}
-
-    # which shards are already done (a previous try of this same output)
-    planned = {p.relpath for p in plans}
-    for split in SPLITS:
-        for f in list_shards(out_dir / split, "safetensors"):
-            if f"{split}/{f.name}" not in planned:
-                f.unlink()
-    done: dict[str, bool] = {}
-    fingerprints = {p.relpath: p.fingerprint() for p in plans}
-    meta_base = {"format": FORMAT, "layers": json.dumps(layers), "hidden_size": str(H), "dtype": dtype,
-                 "hidden_final": "LM-head input: last decoder layer output after the final norm"}
-    for p in plans:
-        path = out_dir / p.relpath
-        meta = read_shard_metadata(path) if path.exists() else None
-        ok = meta is not None and meta.get("plan") == fingerprints[p.relpath] and all(
-            meta.get(k) == v for k, v in meta_base.items())
-        if path.exists() and not ok:
-            path.unlink()
-        done[p.relpath] = ok
-    remaining = [p for p in plans if not done[p.relpath]]
-    need = estimate_bytes(sum(p.num_tokens for p in remaining), sum(len(p.seqs) for p in remaining),
-                          len(names), H, dtype, len(remaining)) if remaining else 0
-    if remaining:
-        check_disk(out_dir, need, min_free_margin)
+    cp = plan_capture(seqs, out_dir, layers=layers, hidden_size=int(text_config(model).hidden_size), dtype=dtype,
+                      shard_tokens=shard_tokens)
+    if cp.remaining:
+        check_disk(cp.out_dir, cp.remaining_bytes(), min_free_margin)
 
     with HiddenStates(model, layers) as hs:
-        for p in plans:
-            path = out_dir / p.relpath
-            if done[p.relpath]:
-                res.shards_reused += 1
+        for p in cp.plans:
+            if cp.done[p.relpath]:
                 if on_tokens:
                     on_tokens(p.num_tokens)
             else:
                 t0 = time.perf_counter()
                 tensors = capture_shard(hs, p.seqs, batch_tokens, dtype, on_batch=on_tokens)
-                row_ids = [s.row_id for s in p.seqs]
-                check_features(tensors, str(path), row_ids)
-                meta = dict(meta_base, split=p.split, row_ids=json.dumps(row_ids),
-                            num_tokens=str(p.num_tokens), num_sequences=str(len(p.seqs)),
-                            truncated=json.dumps([s.row_id for s in p.seqs if s.truncated]),
-                            plan=fingerprints[p.relpath])
-                write_feature_shard(path, tensors, meta)
-                res.compute_seconds += time.perf_counter() - t0
-                res.tokens_computed += p.num_tokens
-            size = path.stat().st_size
-            res.bytes_written += size
-            res.shard_files.append({"path": p.relpath, "tokens": p.num_tokens, "sequences": len(p.seqs),
-                                    "bytes": size, "reused": done[p.relpath]})
-    return res
+                cp.write(p, tensors, time.perf_counter() - t0)
+            cp.record(p)
+    return cp.res
 
 
 def capture_rows(model_dir: str | Path, rows: list[dict], out_dir: Path, c, *, what: str = "capture",
-                 model=None) -> CaptureResult:
+                 model=None, serving=None) -> CaptureResult:
     """Tokenize conversation rows with the target's chat template and capture their features into
-    ``out_dir/<split>/`` with the settings of ``c`` (a :class:`~drafter.core.config.CaptureConfig`: layers,
+    ``out_dir/<split>/`` with the settings of ``c`` (a :class:`~drafter.core.config.CaptureConfig`: engine, layers,
     dtype, max_seq_len, batch and shard sizes, disk margin), showing progress as ``what``. The `capture`
     stage does this for the scrubbed conversations, `eval_offline` for the user's held-out files.
-    ``model``: the target already loaded (:func:`load_target_model`), else it is loaded here."""
+    ``model``: the target already loaded (:func:`load_target_model`), else it is loaded here (engine
+    ``transformers``). Engine ``vllm`` runs the target in the serving env instead
+    (:func:`drafter.data.capture_vllm.capture_rows_vllm`; ``serving``: the :class:`~drafter.core.config.ServingConfig`
+    whose python, environment and ``--tensor-parallel-size`` it uses)."""
     from transformers import AutoTokenizer
 
     from drafter.core.progress import progress
@@ -471,6 +513,11 @@ def capture_rows(model_dir: str | Path, rows: list[dict], out_dir: Path, c, *, w
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     with progress(f"{what}: tokenize", total=len(rows), unit="rows") as bar:
         seqs = tokenize_rows(tokenizer, rows, c.max_seq_len, on_row=lambda: bar.advance(1))
+    if getattr(c, "engine", "transformers") == "vllm":
+        from drafter.data.capture_vllm import capture_rows_vllm
+
+        with progress(what, total=sum(len(s) for s in seqs), unit="tok") as bar:
+            return capture_rows_vllm(model_dir, seqs, out_dir, c, serving=serving, on_tokens=bar.advance)
     if model is None:
         from drafter.core.hardware import resolve_device
 

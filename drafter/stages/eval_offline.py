@@ -77,7 +77,8 @@ def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tok
     model_dir = target_dir(inputs["prepare_target"])
     target = load_target_model(model_dir, device=resolve_device(c.device))
     features = out / HELDOUT_FEATURES
-    cap = capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target)
+    cap = capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target,
+                      serving=cfg.serving)
     info = record_truncation(info, cap.truncated, cfg.capture.max_seq_len)  # what was cut, in the held-out record
     try:
         windows = load_windows(features, "heldout", "all", c.window, min_tokens=min_tokens, max_windows=c.max_windows,
