@@ -47,15 +47,20 @@ def seqs(tokenizer):
     return tokenize_rows(tokenizer, ROWS, max_seq_len=80)
 
 
-@pytest.fixture()
-def inputs(tmp_path, tiny_target):
+def stage_inputs(tmp_path, target, *shard_rows: list[dict]) -> dict[str, Artifact]:
+    """The capture stage's inputs: ``prepare_target`` pointing at ``target``, ``scrub`` holding one shard per list."""
     pt = tmp_path / "prepare_target"
     pt.mkdir()
-    write_target_json(pt, str(tiny_target.resolve()), source="path", name="tiny", revision=None)
+    write_target_json(pt, str(target.resolve()), source="path", name="tiny", revision=None)
     sc = tmp_path / "scrub"
-    write_jsonl_atomic(sc / "shards" / "shard-00000.jsonl", ROWS[:6])
-    write_jsonl_atomic(sc / "shards" / "shard-00001.jsonl", ROWS[6:])
+    for k, rows in enumerate(shard_rows):
+        write_jsonl_atomic(sc / "shards" / f"shard-{k:05d}.jsonl", rows)
     return {"prepare_target": Artifact("prepare_target", "p" * 16, pt), "scrub": Artifact("scrub", "s" * 16, sc)}
+
+
+@pytest.fixture()
+def inputs(tmp_path, tiny_target):
+    return stage_inputs(tmp_path, tiny_target, ROWS[:6], ROWS[6:])
 
 
 def run_stage(tmp_path, inputs, **capture):

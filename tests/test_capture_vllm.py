@@ -12,14 +12,13 @@ from safetensors.torch import save_file
 
 from drafter.core.config import config_from_dict
 from drafter.core.errors import StageError
-from drafter.core.files import list_shards, write_jsonl_atomic
+from drafter.core.files import list_shards
 from drafter.core.stage import Artifact, key_config
 from drafter.data import capture_vllm as V
 from drafter.data.capture import Sequence
 from drafter.data.feature_shards import iter_feature_shards, read_shard_metadata
-from drafter.models.target import write_target_json
 from drafter.stages import capture as capture_stage
-from tests.test_capture import conversation
+from tests.test_capture import conversation, stage_inputs
 
 
 LONG = [{"role": "user", "content": "Write a long answer. " * 8},
@@ -32,12 +31,7 @@ CAPTURE = {"layers": [0, 1], "batch_tokens": 256, "shard_tokens": 200, "max_seq_
 
 @pytest.fixture()
 def inputs(tmp_path, tiny_target):
-    pt = tmp_path / "prepare_target"
-    pt.mkdir()
-    write_target_json(pt, str(tiny_target.resolve()), source="path", name="tiny", revision=None)
-    sc = tmp_path / "scrub"
-    write_jsonl_atomic(sc / "shards" / "shard-00000.jsonl", ROWS)
-    return {"prepare_target": Artifact("prepare_target", "p" * 16, pt), "scrub": Artifact("scrub", "s" * 16, sc)}
+    return stage_inputs(tmp_path, tiny_target, ROWS)
 
 
 def run_stage(tmp_path, inputs, name: str, serving: dict | None = None, **capture):
