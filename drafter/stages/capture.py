@@ -72,5 +72,6 @@ STAGE = Stage(
     inputs=("prepare_target", "scrub"),
     sections=("capture",),
     run=run,
-    description="Capture the target's hidden states (LM-head input + chosen layers) over the conversations",
+    description="Capture the target's hidden states (LM-head input + chosen layers) over the conversations, in "
+    "transformers or through the serving engine (`capture.engine: vllm`)",
 )
