@@ -259,6 +259,10 @@ def _other_value(name: str, value):
         return None if value else "all"
     if name == "device":  # train/capture/eval_offline.device: auto, cpu, cuda, cuda:N
         return "cuda:1" if value != "cuda:1" else "cpu"
+    if name == "experts":  # train/eval_offline.experts: auto, eager, grouped_mm
+        return "eager" if value != "eager" else "grouped_mm"
+    if name == "frozen_dtype":  # train.frozen_dtype: auto, float32, bfloat16
+        return "float32" if value != "float32" else "auto"
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
