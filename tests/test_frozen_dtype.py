@@ -108,22 +108,13 @@ def test_frozen_dtype_resolution_and_config():
 def test_the_written_drafter_keeps_the_frozen_values(tiny_target, tmp_path):
     """The train stage's own run (a fresh process, bf16 autocast): frozen tensors held in bfloat16 while training,
     written with their loaded float32 values; the trained ones changed."""
-    import yaml
     from safetensors.torch import load_file
 
-    from drafter.core.config import load_config
-    from drafter.core.pipeline import run_all
     from drafter.models import EmbeddedGlm4MoeLayout, load_drafter
     from drafter.training.run import run_training
+    from tests.test_train import tiny_capture
 
-    cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "store": {"root": str(tmp_path / "store")},
-        "prepare_target": {"source": "path", "path": str(tiny_target)},
-        "serving": {"backend": "transformers", "dtype": "float32"},
-        "generate": {"num_prompts": 12, "max_tokens": 24, "shard_size": 8},
-    }))
-    capture = run_all(load_config(cfg_path), only=["capture"], echo=lambda *_: None)["stages"][-1]["path"]
+    capture = tiny_capture(tmp_path, tiny_target, num_prompts=12)
     cfg = TrainConfig(loss="lk_hybrid", k_steps=2, window=32, max_steps=3, warmup_steps=1, lr=1e-2, eval_every=100,
                       eval_windows=4, data_part="all", dtype="bfloat16", device="cpu")
     res = run_training(tiny_target, capture, cfg, tmp_path / "out")
