@@ -33,7 +33,7 @@ from drafter.core.config_eval import (AbLiveConfig, EvalOfflineConfig, GateConfi
                                       QuantizeExl3Config, QuantizeFp8Config, Temperatures, VerifyFp8Config)
 from drafter.core.config_release import BaselineConfig, PublishConfig, RetrainConfig, RunnerConfig  # noqa: F401
 from drafter.core.config_training import (LOSS_NAMES, AblationConfig, BootstrapConfig, DSparkSection,  # noqa: F401
-                                          TrainConfig)
+                                          Eagle3Section, TrainConfig)
 from drafter.core.errors import ConfigError
 
 
@@ -63,6 +63,8 @@ class ReleaseConfig(Section):
                                      "(default: the released drafter; a retrain sets the champion).")
     dspark: DSparkSection = Field(default_factory=DSparkSection, description="A DSpark block drafter in place of the "
                                   "MTP layer (vLLM's method dspark).")
+    eagle3: Eagle3Section = Field(default_factory=Eagle3Section, description="An EAGLE-3 head in place of the MTP "
+                                  "layer (vLLM's method eagle3), for targets that ship no drafter.")
     runner: RunnerConfig = Field(default_factory=RunnerConfig, description="Where each stage runs: in the flow's "
                                  "process (local) or each in its own container (containers). `runner: containers` for short.")
     stages: list[str] | None = Field(None, description="Run only these stages (and what they need). Default: all.")
@@ -86,6 +88,26 @@ class ReleaseConfig(Section):
             if self.train.draft_vocab_size:
                 raise ValueError(f"train.draft_vocab_size {self.train.draft_vocab_size}: a draft vocabulary is for MTP "
                                  f"drafters (vLLM's DSpark drafts are not hooked); set it to 0 with dspark.enabled")
+        return self
+
+    @model_validator(mode="after")
+    def _eagle3(self) -> "ReleaseConfig":
+        e = self.eagle3
+        if self.train.init is not None and not e.enabled:
+            raise ValueError("train.init is for EAGLE-3 heads (eagle3.enabled); an MTP fine-tune starts from the "
+                             "release's own MTP layer (or baseline.weights)")
+        if not e.enabled:
+            return self
+        if self.dspark.enabled:
+            raise ValueError("eagle3.enabled and dspark.enabled: a release trains one kind of drafter; disable one")
+        missing = [i for i in e.aux_layer_ids if i not in self.capture.layers]
+        if missing:
+            raise ValueError(f"capture.layers {self.capture.layers} lacks {missing}: eagle3.aux_layer_ids "
+                             f"{e.aux_layer_ids} are the aux hidden states the head reads (set capture.layers to "
+                             f"include them)")
+        if self.train.draft_vocab_size:
+            raise ValueError(f"train.draft_vocab_size {self.train.draft_vocab_size}: an EAGLE-3 head has its own draft "
+                             f"vocabulary, eagle3.draft_vocab_size; set train.draft_vocab_size to 0")
         return self
 
 

@@ -1,5 +1,5 @@
-"""Config sections of drafter training: the fine-tune, the demo's bootstrap, the DSpark block drafter
-and the loss ablation (re-exported by :mod:`drafter.core.config`)."""
+"""Config sections of drafter training: the fine-tune, the demo's bootstrap, the DSpark block drafter,
+the EAGLE-3 head and the loss ablation (re-exported by :mod:`drafter.core.config`)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -62,6 +62,17 @@ class TrainConfig(Section):
         "The fine-tune trains over it too: draft and target logits over those tokens (the target's distribution "
         "renormalised over them; CE counts only labels inside), a head |V'|/|V| the cost. Lossless; 0 = the whole vocabulary.")
 
+    init: str | None = Field(
+        None, description="EAGLE-3 only: the released head to fine-tune, a folder (config.json + *.safetensors) in the "
+        "speculators or the EAGLE layout; None: the bootstrap's stand-in (the demo).")
+
+    def key_dump(self) -> dict:
+        """As :meth:`Section.key_dump`, without ``init`` when unset (keys made before the field existed stay valid)."""
+        d = super().key_dump()
+        if d.get("init") is None:
+            d.pop("init", None)
+        return d
+
     @model_validator(mode="after")
     def _frozen_needs_bf16_compute(self) -> "TrainConfig":
         if self.frozen_dtype == "bfloat16" and self.dtype != "bfloat16":
@@ -121,6 +132,37 @@ class DSparkSection(Section):
             raise ValueError("dspark.enabled needs dspark.target_layer_ids (the target layers the draft reads, "
                              "e.g. [1, 14, 27] for a 30-layer target)")
         return self
+
+
+class Eagle3Section(Section):
+    """An EAGLE-3 head (vLLM's ``method: eagle3``) in place of the MTP layer, for targets that ship no drafter:
+    `bootstrap_drafter` trains the stand-in from scratch, `train` fine-tunes it (or ``train.init``), `eval_offline`
+    and `ab_live` evaluate and serve it (drafter/models/eagle3.py). The training recipe is `train`'s."""
+
+    enabled: bool = Field(False, description="Train and evaluate an EAGLE-3 head instead of the MTP layer.")
+    aux_layer_ids: list[int] = Field(default_factory=list, description="The target's aux hidden states the head reads "
+                                     "(vLLM's eagle_aux_hidden_state_layer_ids: id i = the residual stream entering layer "
+                                     "i, 0 = embeddings; capture.layers must hold them); [] = vLLM's default (2, L//2, L−3).")
+    draft_vocab_size: int = Field(0, ge=0, description="Rows of the head's output layer (d2t / t2d maps): the N tokens "
+                                  "most frequent in the training windows; 0 = the whole vocabulary.")
+    speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per step served (num_speculative_tokens) "
+                                    "and written into the speculators config.")
+    norm_before_residual: bool = Field(True, description="The residual after hidden_norm (speculators' default) or "
+                                       "before it (the original EAGLE-3).")
+    init_seed: int = Field(0, description="Seed of the bootstrap's random initialization of the head.")
+    layout: Literal["speculators", "eagle"] = Field("speculators", description="Checkpoint layout written and "
+                                                    "published: speculators (config with speculators_config) or eagle.")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _aux_ids(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v) or v != sorted(set(v)):
+            raise ValueError(f"eagle3.aux_layer_ids {v}: layer ids must be distinct, increasing and ≥ 0")
+        return v
+
+    def key_dump(self) -> dict | None:
+        """None when disabled: the section then enters no stage key (keys made before it existed stay valid)."""
+        return super().key_dump() if self.enabled else None
 
 
 class AblationConfig(Section):

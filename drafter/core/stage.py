@@ -72,7 +72,8 @@ def key_config(stage: Stage, cfg: "ReleaseConfig") -> dict[str, Any]:
     """The config a stage's key covers (and its manifest records): each of its sections'
     :meth:`~drafter.core.config.Section.key_dump` — operational settings (timeouts, retries, python paths,
     ports, the server's environment and other secrets) left out, so they never re-key a stage."""
-    return {s: getattr(cfg, s).key_dump() for s in stage.sections}
+    dumps = {s: getattr(cfg, s).key_dump() for s in stage.sections}
+    return {s: d for s, d in dumps.items() if d is not None}  # a disabled optional section (eagle3) reads nothing
 
 
 def stage_key(stage: Stage, cfg: "ReleaseConfig", input_keys: dict[str, str]) -> str:

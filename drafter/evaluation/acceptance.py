@@ -42,6 +42,17 @@ def model_device(model, default: torch.Tensor) -> torch.device:
     return default.device if p is None else p.device
 
 
+def drafter_input(drafter, win: Window) -> torch.Tensor:
+    """What the drafter's first step reads at each position of ``win`` ([T, ·]): the target's LM-head input
+    (MTP layers), or the captured aux hidden states concatenated (an EAGLE-3 head: ``reads_features``)."""
+    if not getattr(drafter, "reads_features", False):
+        return win.hidden
+    if win.features is None:
+        raise ValueError(f"window {win.row_id}@{win.start} has no features: load_windows(feature_layers=…) must read "
+                         "the head's aux layers")
+    return win.features
+
+
 def target_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     """The target's logits from its captured LM-head input (post-final-norm hidden state)."""
     return hidden.float() @ head_weight.float().T
@@ -69,12 +80,14 @@ def window_alphas(drafter, head_weight: torch.Tensor, win: Window, k_steps: int,
     n = T - k_steps - 1
     if n <= 0:
         return {r: torch.zeros(0, k_steps, device=dev) for r in RULES}, torch.zeros(0, dtype=torch.bool, device=dev)
-    un = drafter.unroll(win.input_ids[None], win.hidden[None], k_steps, win.positions[None])
+    un = drafter.unroll(win.input_ids[None], drafter_input(drafter, win)[None], k_steps, win.positions[None])
     out = {r: [] for r in RULES}
     elig = torch.ones(n, dtype=torch.bool, device=dev)
     p_all = F.softmax(target_logits(win.hidden[1:T - 1], head_weight), -1)  # positions 1..T-2
     for k in range(1, k_steps + 1):
         q = un.logits[k - 1][0, :n]
+        if getattr(drafter, "own_vocab", False):  # an EAGLE-3 head: its draft vocabulary → the target's ids
+            q = drafter.target_logits(q)
         if vocab_mask is not None:
             q = q.masked_fill(~vocab_mask.to(dev), float("-inf"))
         a = rule_alphas(p_all[k - 1:k - 1 + n], q)  # the target at position t+k

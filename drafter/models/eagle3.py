@@ -70,6 +70,11 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     return [2, num_hidden_layers // 2, num_hidden_layers - 3]
 
 
+def capture_layers(cfg: "Eagle3Config") -> list[int]:
+    """The ``capture.layers`` holding the head's aux hidden states: the ids themselves (the same semantics)."""
+    return list(cfg.aux_layer_ids)
+
+
 @dataclass
 class Eagle3Config:
     """The head's shape and EAGLE-3 fields (a Llama decoder layer)."""
@@ -288,7 +293,14 @@ class Eagle3Draft(nn.Module):
     """The EAGLE-3 head: ``embed_tokens`` (the target's, frozen), ``fc``, ``layers.0``, ``norm``, ``lm_head``
     (``draft_vocab_size`` rows) and the ``d2t`` / ``t2d`` vocabulary maps (buffers), vLLM's names.
 
-    ``device="meta"`` builds it without allocating weights (load with ``assign=True``)."""
+    ``device="meta"`` builds it without allocating weights (load with ``assign=True``).
+
+    The training and evaluation loops drive it through the MTP drafter's interface (``unroll``, ``logits``):
+    ``reads_features`` tells them to feed the window's aux features instead of the LM-head input, and
+    ``own_vocab`` that its logits are already over its draft vocabulary (:meth:`target_logits` scatters them)."""
+
+    reads_features = True
+    own_vocab = True
 
     def __init__(self, cfg: Eagle3Config, *, device: str | torch.device | None = None):
         super().__init__()
@@ -493,4 +505,4 @@ def load_eagle3(path: Path, *, embed_tokens: Tensor | None = None) -> tuple[Eagl
 
 
 __all__ = ["DEFAULT_FROZEN", "EAGLE3_DIR", "EAGLE_ARCHITECTURE", "LAYOUTS", "SPECULATORS_ARCHITECTURE", "Eagle3Config",
-           "Eagle3Draft", "Eagle3Layer", "checkpoint_tensors", "default_aux_layer_ids", "load_eagle3", "save_eagle3"]
+           "Eagle3Draft", "Eagle3Layer", "capture_layers", "checkpoint_tensors", "default_aux_layer_ids", "load_eagle3", "save_eagle3"]

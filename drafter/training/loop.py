@@ -35,7 +35,7 @@ import torch
 from dataclasses import dataclass
 
 from drafter.training import losses as L
-from drafter.evaluation.acceptance import acceptance, model_device, target_logits
+from drafter.evaluation.acceptance import acceptance, drafter_input, model_device, target_logits
 from drafter.core.config import TrainConfig
 from drafter.models import freeze
 from drafter.models.experts import set_experts
@@ -86,7 +86,8 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
     """
     win = win.to(dev := model_device(drafter, head_weight))
     T = len(win.input_ids)
-    un = drafter.unroll(win.input_ids[None], win.hidden[None], cfg.k_steps, win.positions[None], compute_logits=False)
+    un = drafter.unroll(win.input_ids[None], drafter_input(drafter, win)[None], cfg.k_steps, win.positions[None],
+                        compute_logits=False)
     target, row_of = None, None
     if cfg.loss != "ce":  # the target's logits at positions j = 1..T-2 whose next token counts, once for every step
         need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
@@ -106,7 +107,8 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
             sel, tokens = sel[inside], vocab.index[tokens[inside]]
         if len(sel) == 0:
             continue
-        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel], rows=None if vocab is None else vocab.ids)
+        rows = None if vocab is None or getattr(drafter, "own_vocab", False) else vocab.ids  # EAGLE-3: its own rows
+        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel], rows=rows)
         p = None if target is None else target[row_of[sel + k]]  # the target at position t+k
         loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused)
         w = float(weights[k - 1])
