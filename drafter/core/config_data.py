@@ -29,6 +29,16 @@ class PrepareTargetConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype the embedded target is written in.")
     parity_tokens: int = Field(64, ge=8, description="Tokens used by the logits-parity check of the re-expressed target.")
     parity_tolerance: float = Field(1e-3, gt=0, description="Largest allowed max |Δlogit| between the original and the re-expressed target.")
+    architecture: Literal["glm4_moe_mtp", "llama"] = Field(
+        "glm4_moe_mtp", description="source=embedded: how SmolLM2 is written — `glm4_moe_mtp` (re-expressed with an MTP "
+        "layer, for MTP and DSpark drafters) or `llama` (as it is, for an EAGLE-3 head).")
+
+    def key_dump(self) -> dict:
+        """As :meth:`Section.key_dump`, without ``architecture`` at its default (earlier keys stay valid)."""
+        d = super().key_dump()
+        if d.get("architecture") == "glm4_moe_mtp":
+            del d["architecture"]
+        return d
 
     @model_validator(mode="after")
     def _source_fields(self) -> "PrepareTargetConfig":

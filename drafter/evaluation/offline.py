@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from drafter.evaluation.acceptance import RULES, model_device, rule_alphas, target_logits
+from drafter.evaluation.acceptance import RULES, drafter_input, model_device, rule_alphas, target_logits
 from drafter.data.windows import Window
 
 RULE_TITLES = {"t0": "T=0", "t1_greedy": "T=1, greedy drafts", "t1_prob": "T=1, probabilistic drafts"}
@@ -86,11 +86,14 @@ def window_rule_alphas(drafters: Mapping[str, torch.nn.Module], head_weight: tor
     p_need = F.softmax(target_logits(win.hidden[need], head_weight), -1)
     out = {}
     for name, drafter in drafters.items():
-        un = drafter.unroll(win.input_ids[None], win.hidden[None], k_max, win.positions[None], compute_logits=False)
+        un = drafter.unroll(win.input_ids[None], drafter_input(drafter, win)[None], k_max, win.positions[None],
+                            compute_logits=False)
         per = {r: [] for r in RULES}
         for k in range(1, k_max + 1):
             h = un.hidden[k - 1][0, t]
-            if (ids := getattr(drafter, "draft_vocab_ids", None)) is not None:  # served over its draft vocabulary
+            if getattr(drafter, "own_vocab", False):  # an EAGLE-3 head: its own draft vocabulary → the target's ids
+                q = drafter.target_logits(drafter.logits(k - 1, h).float())
+            elif (ids := getattr(drafter, "draft_vocab_ids", None)) is not None:  # served over its draft vocabulary
                 ids = torch.as_tensor(ids, device=dev)
                 q = torch.full((len(t), p_need.shape[-1]), float("-inf"), device=dev)
                 q[:, ids] = drafter.logits(k - 1, h, rows=ids).float()
@@ -257,7 +260,7 @@ def measure_draft_cost(target_model, drafter, window: Window, repeats: int = 5, 
     head) over the same tokens of ``window`` on this machine; median of ``repeats`` after ``warmup``.
     Returns ``{"draft_s", "target_s", "ratio", "tokens"}``. The window is moved to the drafter's device."""
     window = window.to(model_device(drafter, window.hidden))
-    ids, hidden, pos = window.input_ids[None], window.hidden[None], window.positions[None]
+    ids, hidden, pos = window.input_ids[None], drafter_input(drafter, window)[None], window.positions[None]
     nxt = torch.zeros_like(ids)
     nxt[:, :-1] = ids[:, 1:]
     target_s = _median_seconds(lambda: target_model(input_ids=ids, position_ids=pos), repeats, warmup, ids.device)

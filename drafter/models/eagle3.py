@@ -369,6 +369,18 @@ class Eagle3Draft(nn.Module):
         pos_emb = self.rotary_emb(hidden, position_ids)
         return self.layers[0](emb, hidden, pos_emb, attention_mask, cache)
 
+    def forward_step(self, layer_idx: int, input_ids: Tensor, features: Tensor,
+                     position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """vLLM's first pass over a sequence (causal): ``input_ids`` ``[B, T]`` the token after each position,
+        ``features`` ``[B, T, n·H_t]``. Returns ``(pre-norm output, draft-vocabulary logits)`` (the MTP interface:
+        the offline draft-cost timing runs it)."""
+        B, T = input_ids.shape
+        hidden = self.combine(features)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=hidden.device).expand(B, T)
+        out = self.step(input_ids, hidden, position_ids, causal_mask(T, hidden.dtype, hidden.device))
+        return out, self.logits(layer_idx, out)
+
     def unroll(self, input_ids: Tensor, features: Tensor, k_steps: int, position_ids: Tensor | None = None, *,
                compute_logits: bool = True) -> Unrolled:
         """K-step training-time test over a window (teacher-forced on the data tokens).

@@ -343,17 +343,47 @@ def reexpress_as_glm4_moe_mtp(model, tokenizer, out_dir: Path, dtype: str = "flo
     return write_checkpoint(Path(out_dir), config, base, mtp, tokenizer, {k: v for k, v in gen.items() if v is not None})
 
 
-def load_reexpressed(ckpt_dir: Path, dtype: str = "float32"):
-    """Load a GLM-4-MoE checkpoint from disk with transformers (the MTP layer is not part of that class)."""
+def write_as_llama(model, tokenizer, out_dir: Path, dtype: str = "float32") -> Path:
+    """Write ``model`` (a dense Llama-architecture causal LM: SmolLM2) as itself, ``LlamaForCausalLM`` in one
+    ``model.safetensors`` with an untied ``lm_head.weight`` (the form the EAGLE-3 demo serves), plus its tokenizer,
+    chat template and generation config."""
     import torch
-    from transformers import Glm4MoeForCausalLM
+
+    from drafter.core.files import save_safetensors
+
+    c = model.config
+    if c.model_type != "llama":
+        raise StageError(f"cannot write {c.model_type} as Llama: only Llama-architecture targets are written as they are")
+    sd = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in _dense_state(model).items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_safetensors(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)
+    config = {k: v for k, v in c.to_dict().items() if not k.startswith("_") and k not in ("transformers_version",)}
+    config |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False,
+               "torch_dtype": dtype, "dtype": dtype}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    g = getattr(model, "generation_config", None)
+    gen = {k: getattr(g, k, None) if g is not None else config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
+    tokenizer.save_pretrained(str(out_dir))
+    if not chat_template_text(out_dir):
+        raise StageError(f"{out_dir}: the tokenizer has no chat template; the served target needs one")
+    return out_dir
+
+
+def load_reexpressed(ckpt_dir: Path, dtype: str = "float32"):
+    """Load a written target (GLM-4-MoE + MTP, or Llama) from disk with transformers (an MTP layer is not part
+    of the class: its tensors are left out)."""
+    import torch
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the MTP layer's keys are "unexpected" for transformers
     hf_logging.disable_progress_bar()
     try:
-        model = Glm4MoeForCausalLM.from_pretrained(str(ckpt_dir), dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(str(ckpt_dir), dtype=getattr(torch, dtype))
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()

@@ -66,3 +66,19 @@ def released_draft(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path:
         raise BadInputError("a DSpark fine-tune needs the released draft: set dspark.released to its folder "
                             "(the bootstrap only stands in for it on the embedded target)")
     return boot.path / DSPARK_DIR
+
+
+def released_head(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> Path:
+    """The released EAGLE-3 head folder: ``train.init`` when set, else the bootstrap's stand-in."""
+    from drafter.models.eagle3 import EAGLE3_DIR
+
+    if cfg.train.init:
+        path = Path(cfg.train.init).expanduser()
+        if not (path / "config.json").is_file():
+            raise BadInputError(f"train.init {path} has no config.json (an EAGLE-3 head folder: speculators or EAGLE layout)")
+        return path
+    boot = inputs["bootstrap_drafter"]
+    if boot.status == "skipped":
+        raise BadInputError("an EAGLE-3 fine-tune needs the released head: set train.init to its folder "
+                            "(the bootstrap only stands in for it on the embedded target)")
+    return boot.path / EAGLE3_DIR

@@ -16,6 +16,8 @@ under the three rules (T=0; T=1 with greedy and with probabilistic drafts), τ(K
 from the chain products; bootstrap intervals over conversations; the same per domain and per mode;
 the draft cost (one drafter step vs one target forward over the same tokens, this machine, unless
 configured) and the K maximizing the expected speed τ(K) / (1 + K·cost).
+With ``eagle3.enabled``: the released (``train.init`` or the bootstrap's) and fine-tuned EAGLE-3 heads, the
+same way (fed the captured aux layers; each drafts over its own vocabulary, scattered to the target's).
 With ``dspark.enabled``: the released and fine-tuned DSpark drafts at every eligible anchor (τ per
 block at K = 1..block size, the same intervals, domains, modes and paired difference, cost of one
 block pass) and each confidence head's calibration (ECE, ``reliability.png``).
@@ -52,7 +54,8 @@ from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from drafter.core.hardware import device_label, resolve_device
 from drafter.core.progress import progress
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.release.baselines import baseline_weights, released_draft
+from drafter.models.eagle3 import EAGLE3_DIR, load_eagle3
+from drafter.release.baselines import baseline_weights, released_draft, released_head
 from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
 
@@ -189,29 +192,56 @@ def _metrics(res: dict, windows: int, positions: int, draft_cost: float, measure
     return metrics
 
 
-def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
-    c = cfg.eval_offline
-    t_start = time.monotonic()
-    if cfg.dspark.enabled:
-        return _run_dspark(cfg, inputs, out, t_start)
-    model_dir = target_dir(inputs["prepare_target"])
+def _mtp_drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact], model_dir: Path, device, head: torch.Tensor):
+    """The released and fine-tuned MTP layers (the candidate over its draft vocabulary when it has one), the
+    draft vocabulary's size, and the feature layers they read (none: the LM-head input)."""
     candidate = inputs["train"].path / TRAINED_NAME
     if not candidate.is_file():
         raise StageError(f"train output {inputs['train'].path} has no {TRAINED_NAME} (the fine-tuned drafter)")
     layout = layout_for(model_dir)
-    device = resolve_device(c.device)
     drafters = {"baseline": load_drafter(model_dir, layout, weights=baseline_weights(cfg, inputs)).to(device),
                 "candidate": load_drafter(model_dir, layout, weights=candidate).to(device)}
     for d in drafters.values():
-        set_experts(d, c.experts)
-    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
+        set_experts(d, cfg.eval_offline.experts)
     vocab_file = inputs["train"].path / DRAFT_VOCAB_FILE
     draft_vocab = None
     if vocab_file.is_file():  # the fine-tuned drafter is served over its draft vocabulary: measured so here too
         ids = load_draft_vocab(vocab_file, head.shape[0])
         drafters["candidate"].draft_vocab_ids = ids.to(device)
         draft_vocab = int(ids.numel())
-    windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2)
+    return drafters, {"candidate": draft_vocab, "baseline": None}, ()
+
+
+def _eagle3_drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact], model_dir: Path, device, head: torch.Tensor):
+    """The released and fine-tuned EAGLE-3 heads (each over its own draft vocabulary), those vocabularies'
+    sizes, and the aux layers they read (the same for both: the fine-tune starts from the release)."""
+    embed = read_tensor(model_dir, "model.embed_tokens.weight", torch.float32)
+    candidate = inputs["train"].path / EAGLE3_DIR
+    drafters = {}
+    for name, folder in (("baseline", released_head(cfg, inputs)), ("candidate", candidate)):
+        try:
+            drafters[name] = load_eagle3(folder, embed_tokens=embed)[0].eval().to(device)
+        except (OSError, ValueError) as e:
+            raise StageError(f"the {name} EAGLE-3 head {folder}: {e}") from e
+    layers = {n: list(d.cfg.aux_layer_ids) for n, d in drafters.items()}
+    if layers["baseline"] != layers["candidate"]:
+        raise StageError(f"the released and fine-tuned EAGLE-3 heads read different aux layers ({layers}): "
+                         "one held-out capture cannot feed both")
+    sizes = {n: d.cfg.draft_vocab_size for n, d in drafters.items()}
+    return drafters, sizes, layers["candidate"]
+
+
+def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    c = cfg.eval_offline
+    t_start = time.monotonic()
+    if cfg.dspark.enabled:
+        return _run_dspark(cfg, inputs, out, t_start)
+    model_dir = target_dir(inputs["prepare_target"])
+    device = resolve_device(c.device)
+    head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
+    loader = _eagle3_drafters if cfg.eagle3.enabled else _mtp_drafters
+    drafters, draft_vocab, layers = loader(cfg, inputs, model_dir, device, head)
+    windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2, layers)
 
     with progress("eval_offline", total=len(windows), unit="windows") as bar:
         held = heldout_alphas(drafters, head, windows, c.k_max, on_window=bar.advance)
@@ -233,7 +263,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     res["windows"] = len(windows)
     res["heldout"] = heldout
     res["device"] = device_label(device)
-    res["draft_vocab"] = {"candidate": draft_vocab, "baseline": None}
+    res["draft_vocab"] = draft_vocab
     if cost:
         res["draft_cost_timing"] = cost
     save_eval_offline(out, res)
@@ -253,7 +283,7 @@ STAGE = Stage(
                   # 3: the fine-tuned drafter measured over its draft vocabulary (train.draft_vocab_size)
     inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
     # capture: the settings the user's held-out files are captured with; scrub: the rules they are scrubbed with
-    sections=("eval_offline", "heldout", "baseline", "dspark", "capture", "scrub"),
+    sections=("eval_offline", "heldout", "baseline", "dspark", "capture", "scrub", "eagle3"),
     run=run,
     fingerprint=fingerprint,
     description="Offline acceptance (τ vs K, α per position, bootstrap CIs, per domain/mode) of the released "

