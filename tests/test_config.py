@@ -203,3 +203,35 @@ def test_ab_live_sweep_settings_default_and_bad_values_are_named(tmp_path):
         load_config(write(tmp_path, {"ab_live": {"k_sweep": [0, 2]}}))
     with pytest.raises(ConfigError, match=r"concurrency_other_temperatures \[16\] must name some of concurrency"):
         load_config(write(tmp_path, {"ab_live": {"concurrency_other_temperatures": [16]}}))
+
+
+def test_eagle3_section_validates_and_keys_nothing_while_disabled(tmp_path):
+    """A disabled eagle3 section (and the defaults of train.init / prepare_target.architecture) enter no stage key,
+    so stores made before them keep their keys; enabled, it keys the drafter stages; bad combinations are named."""
+    from drafter.core.stage import key_config, stage_key
+    from drafter.stages import bootstrap_drafter, eval_offline, prepare_target, train
+
+    plain = load_config(write(tmp_path, {}))
+    explicit = load_config(write(tmp_path, {"prepare_target": {"architecture": "glm4_moe_mtp"}, "train": {"init": None}}))
+    keys = {"prepare_target": "p", "capture": "c", "scrub": "s", "bootstrap_drafter": "b", "train": "t"}
+    for st in (prepare_target.STAGE, bootstrap_drafter.STAGE, train.STAGE, eval_offline.STAGE):
+        assert "eagle3" not in key_config(st, plain)
+        assert stage_key(st, plain, keys) == stage_key(st, explicit, keys)
+    on = load_config(ROOT / "configs" / "demo-eagle3.yaml")
+    assert on.eagle3.enabled and on.eagle3.aux_layer_ids == [2, 15, 27] and on.prepare_target.architecture == "llama"
+    assert key_config(train.STAGE, on)["eagle3"]["draft_vocab_size"] == 8192
+    assert stage_key(prepare_target.STAGE, on, {}) != stage_key(prepare_target.STAGE, plain, {})
+    bad = {
+        r"eagle3\.enabled and dspark\.enabled": {"eagle3": {"enabled": True}, "dspark": {"enabled": True,
+                                                                                      "target_layer_ids": [1]},
+                                                "capture": {"layers": [2]}},
+        r"capture\.layers \[2\] lacks \[5\]: eagle3\.aux_layer_ids \[2, 5\]": {
+            "eagle3": {"enabled": True, "aux_layer_ids": [2, 5]}, "capture": {"layers": [2]}},
+        r"train\.init is for EAGLE-3 heads": {"train": {"init": "/some/head"}},
+        r"train\.draft_vocab_size 64: an EAGLE-3 head has its own": {"eagle3": {"enabled": True},
+                                                                     "train": {"draft_vocab_size": 64}},
+        r"eagle3\.aux_layer_ids \[5, 2\]": {"eagle3": {"aux_layer_ids": [5, 2]}},
+    }
+    for pattern, doc in bad.items():
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(write(tmp_path, doc))

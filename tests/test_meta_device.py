@@ -253,6 +253,52 @@ def test_draft_cost_timing_on_meta():
     assert seen == [(META, META)] * 2
 
 
+# --------------------------------------------------------------------------- EAGLE-3 heads
+
+
+def eagle3_head(draft_vocab: int = 40):
+    """A tiny EAGLE-3 head on meta reading 2 aux layers (the windows' 2·H features), its own draft vocabulary."""
+    from transformers import LlamaConfig
+
+    from drafter.models.eagle3 import Eagle3Config, Eagle3Draft
+
+    tc = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16)
+    return Eagle3Draft(Eagle3Config.for_target(tc, aux_layer_ids=[1, 3], draft_vocab_size=draft_vocab),
+                       device=META).to(META)
+
+
+@pytest.mark.parametrize("where", ["meta", "cpu"], ids=["windows-on-meta", "windows-on-cpu"])
+def test_eagle3_train_step_and_heldout_check_on_meta(tmp_path, where):
+    """train() on an EAGLE-3 head as run_eagle3_training calls it: the aux features in, the loss over its own
+    draft vocabulary (the target's distribution over those ids), three-step training-time test, bf16 autocast."""
+    head = eagle3_head()
+    wins = windows(3, device=torch.device(where), features=True)
+    with MetaValues():
+        res = train(head, meta_head(), wins[:2], wins[2:], cfg_for("lk_hybrid", 3, dtype="bfloat16"), tmp_path,
+                    log=lambda *_: None, draft_vocab=list(range(0, 80, 2)))
+    assert len(res["history"]) == 2 and res["final"]["t0"]["positions"] > 0
+    assert all(p.device == META for p in head.parameters())
+    cfg = cfg_for("kl", 3)
+    with MetaValues():
+        out, stats = window_loss(head, meta_head(), windows(1, features=True)[0], cfg, L.position_weights(3),
+                                 vocab=VocabHead.of(list(range(0, 80, 2)), meta_head()))
+        out.backward()
+    assert len(stats) == 3
+    assert_meta_grads(head)
+
+
+def test_eagle3_offline_alphas_and_draft_cost_on_meta():
+    heads = {"baseline": eagle3_head(), "candidate": eagle3_head(draft_vocab=V)}
+    seen = []
+    with MetaValues():
+        held = heldout_alphas(heads, meta_head(), windows(2, features=True), 3)
+        cost = measure_draft_cost(lambda input_ids, position_ids: seen.append(input_ids.device), heads["baseline"],
+                                  windows(1, device=torch.device("cpu"), features=True)[0], repeats=1, warmup=0)
+    assert held.positions > 0 and held.alphas["baseline"]["t1_prob"].shape == (held.positions, 3)
+    assert cost["tokens"] == T and seen == [META]
+
+
 # --------------------------------------------------------------------------- Window.to
 
 

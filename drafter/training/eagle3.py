@@ -105,10 +105,10 @@ def run_eagle3_training(model_dir: Path, capture, cfg: TrainConfig, eagle3, out:
                          f"({tcfg.vocab_size}, {tcfg.hidden_size})")
     device = resolve_device(cfg.device)
     original = copy.deepcopy(head) if cfg.frozen_dtype != "float32" else None
+    Vd = head.cfg.draft_vocab_size
+    ids = head.draft_ids().tolist() if Vd < head.cfg.vocab_size else None  # read on the host, before the move
     head = head.to(device)
     lm_head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
-    Vd = head.cfg.draft_vocab_size
-    ids = head.draft_ids().tolist() if Vd < head.cfg.vocab_size else None
     res = train(head, lm_head, train_w, eval_w, cfg, out / "work", log=log, draft_vocab=ids)
     head = head.cpu()
     if original is not None and res.get("frozen_dtype", "float32") != "float32":
