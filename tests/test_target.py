@@ -152,6 +152,26 @@ def test_embedded_stage_writes_target_json(embedded_stage_out):
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
 
 
+def test_embedded_target_as_llama_keeps_the_originals_logits(tmp_path):
+    """``architecture: llama`` (an EAGLE-3 head's target): SmolLM2 written as the Llama it is, untied LM head, one
+    safetensors file; the parity check through the files on disk holds as for the GLM-4-MoE form."""
+    from drafter.stages.prepare_target import STAGE
+
+    cfg = ReleaseConfig(prepare_target={"architecture": "llama"})
+    metrics = STAGE.run(cfg, {}, tmp_path)
+    parity = json.loads((tmp_path / "parity.json").read_text())
+    assert parity["ok"] is True and parity["max_abs_dlogit"] <= 1e-4 and parity["argmax_agreement"] == 1.0
+    info = target_info(tmp_path)
+    assert info["architecture"] == "llama" and "mtp_init" not in info
+    c = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["tie_word_embeddings"] is False
+    assert 134_000_000 < metrics["params"] < 170_000_000  # the untied head counted once more
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys() and not any(".mlp.experts." in k for k in f.keys())
+
+
 def test_path_source_references_the_checkpoint_in_place(tiny_target, tmp_path):
     from drafter.stages.prepare_target import STAGE
 
