@@ -226,9 +226,12 @@ def test_eagle3_section_validates_and_keys_nothing_while_disabled(tmp_path):
                                                                                       "target_layer_ids": [1]},
                                                 "capture": {"layers": [2]}},
         r"capture\.layers \[2\] lacks \[5\]: eagle3\.aux_layer_ids \[2, 5\]": {
-            "eagle3": {"enabled": True, "aux_layer_ids": [2, 5]}, "capture": {"layers": [2]}},
+            "eagle3": {"enabled": True, "aux_layer_ids": [2, 5]}, "capture": {"layers": [2]},
+            "ab_live": {"method": "eagle3"}},
         r"train\.init is for EAGLE-3 heads": {"train": {"init": "/some/head"}},
+        r"ab_live\.method is 'mtp'; set ab_live\.method: eagle3": {"eagle3": {"enabled": True}},
         r"train\.draft_vocab_size 64: an EAGLE-3 head has its own": {"eagle3": {"enabled": True},
+                                                                     "ab_live": {"method": "eagle3"},
                                                                      "train": {"draft_vocab_size": 64}},
         r"eagle3\.aux_layer_ids \[5, 2\]": {"eagle3": {"aux_layer_ids": [5, 2]}},
     }

@@ -100,6 +100,9 @@ class ReleaseConfig(Section):
             return self
         if self.dspark.enabled:
             raise ValueError("eagle3.enabled and dspark.enabled: a release trains one kind of drafter; disable one")
+        if self.ab_live.method != "eagle3":
+            raise ValueError(f"eagle3.enabled: the heads are served as vLLM's method eagle3, but ab_live.method is "
+                             f"{self.ab_live.method!r}; set ab_live.method: eagle3")
         missing = [i for i in e.aux_layer_ids if i not in self.capture.layers]
         if missing:
             raise ValueError(f"capture.layers {self.capture.layers} lacks {missing}: eagle3.aux_layer_ids "

