@@ -54,3 +54,24 @@ def test_device_is_operational_and_validated(section):
     assert {p.stage.name: p.key for p in plan(other)} == keys  # the same result on any device: no stage recomputed
     with pytest.raises(Exception, match="device"):
         ReleaseConfig(**{section: {"device": "gpu0"}})
+
+
+def test_auto_compute_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
+    """``train.dtype: auto``: bfloat16 autocast where the device multiplies bf16 in hardware, else float32 (an
+    AVX2 CPU emulates bf16 matmuls); an explicit bfloat16 there is kept, with a warning naming the fix."""
+    from drafter.core import hardware
+    from drafter.core.config import TrainConfig
+    from drafter.training import loop
+
+    assert hardware.native_bf16("cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert hardware.compute_dtype("float32", "meta") == "float32" and hardware.compute_dtype("auto", "meta") == "bfloat16"
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(hardware, "native_bf16", lambda device, n=native: n)
+        monkeypatch.setattr(loop, "native_bf16", lambda device, n=native: n)
+        logs = []
+        got = loop._resolved_dtype(TrainConfig(dtype="auto"), torch.device("cpu"), logs.append)
+        assert got.dtype == want and logs == [f"train: dtype auto → {want} on cpu" +
+                                              ("" if native else " (no native bf16 matmul here: float32 is faster)")]
+        logs = []
+        assert loop._resolved_dtype(TrainConfig(dtype="bfloat16"), torch.device("cpu"), logs.append).dtype == "bfloat16"
+        assert bool(logs) is (not native) and all("set train.dtype: auto or float32" in x for x in logs)

@@ -32,7 +32,9 @@ class TrainConfig(Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype (bfloat16 = autocast).")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="Compute dtype (bfloat16 = autocast); `auto` = bfloat16 where the device multiplies it "
+        "natively (a GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32 (an AVX2 CPU emulates bf16 matmuls).")
     seed: int = Field(0, description="Seed of initialization-free randomness: data order.")
     checkpoint_every: int = Operational(50, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
     eval_every: int = Field(50, ge=1, description="Held-out α per position and simulated τ every N steps.")
@@ -75,7 +77,7 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _frozen_needs_bf16_compute(self) -> "TrainConfig":
-        if self.frozen_dtype == "bfloat16" and self.dtype != "bfloat16":
+        if self.frozen_dtype == "bfloat16" and self.dtype == "float32":
             raise ValueError("frozen_dtype: bfloat16 needs dtype: bfloat16 (float32 compute would mix float32 inputs "
                              "with bfloat16 weights); set dtype: bfloat16 or frozen_dtype: auto")
         return self

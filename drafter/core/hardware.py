@@ -80,6 +80,31 @@ def container(mountinfo: str | None = None) -> dict | None:
     return {"id": ids[0] if ids else None, "image": os.environ.get("DRAFTER_IMAGE"), "engine": engine or "unknown"}
 
 
+def native_bf16(device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a CUDA GPU that supports bf16; a CPU whose
+    oneDNN has bf16 kernels (AVX512-BF16 or AMX). On an AVX2-only CPU a bf16 matmul is emulated — measured
+    150× slower than float32 (1024³, 2026-12-05) — so bfloat16 autocast makes training far slower there."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return True  # meta and other devices: no arithmetic to be slow at; take the setting as written
+
+
+def compute_dtype(choice: str, device) -> str:
+    """``train.dtype`` resolved on ``device``: ``auto`` = bfloat16 where the device computes it natively
+    (:func:`native_bf16`), else float32; ``float32`` / ``bfloat16`` as written."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
 def resolve_device(spec: str = "auto"):
     """The ``torch.device`` a config's ``device`` field names (DESIGN.md, the device rule).
 

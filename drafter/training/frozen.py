@@ -31,8 +31,8 @@ def frozen_dtype_of(train, device_type: str | None = None) -> str:
     choice = getattr(train, "frozen_dtype", "auto")
     if choice != "auto":
         return choice
-    if train.dtype != "bfloat16":
-        return "float32"
+    if train.dtype == "float32" or (train.dtype == "auto" and device_type not in (None, "cuda")):
+        return "float32"  # auto compute is bfloat16 only where it is native: a CUDA GPU here (a CPU: its run decides)
     if device_type is not None and not torch.amp.is_autocast_available(device_type):
         return "float32"
     return "bfloat16"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from drafter.training import losses as L
 from drafter.evaluation.acceptance import acceptance, drafter_input, model_device, target_logits
 from drafter.core.config import TrainConfig
+from drafter.core.hardware import compute_dtype, native_bf16
 from drafter.models import freeze
 from drafter.models.experts import set_experts
 from drafter.training.frozen import frozen_dtype_of, hold_frozen
@@ -213,6 +214,19 @@ def _hold(drafter, cfg: TrainConfig, device: torch.device):
     return held, experts, L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
 
+def _resolved_dtype(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) -> TrainConfig:
+    """``cfg`` with ``dtype: auto`` resolved for ``device`` (:func:`~drafter.core.hardware.compute_dtype`); an
+    explicit bfloat16 on a device that emulates it is kept, with a warning (it trains many times slower)."""
+    dtype = compute_dtype(cfg.dtype, device)
+    if cfg.dtype == "auto":
+        log(f"train: dtype auto → {dtype} on {device.type}" + ("" if dtype == "bfloat16" else
+            " (no native bf16 matmul here: float32 is faster)"))
+    elif dtype == "bfloat16" and not native_bf16(device):
+        log(f"train: warning: dtype bfloat16 on a {device.type} without native bf16 matmuls (emulated: many times "
+            "slower than float32); set train.dtype: auto or float32")
+    return cfg if dtype == cfg.dtype else cfg.model_copy(update={"dtype": dtype})
+
+
 def _held_note(held: dict, experts: str | None) -> str:
     return ((f"; routed experts: {experts}" if experts else "")
             + (f"; {held['tensors']} frozen weight tensors held in {held['dtype']} ({held['bytes_saved'] / 2**20:,.1f} "
@@ -295,6 +309,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     torch.manual_seed(cfg.seed)
     n_trainable, n_frozen = freeze(drafter, cfg.freeze)
     device = model_device(drafter, head_weight)
+    cfg = _resolved_dtype(cfg, device, log)
     held, experts, autocast = _hold(drafter, cfg, device)
     params, opt = _optimizer(drafter, cfg)
     loss_fn, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
@@ -346,6 +361,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         tokens = _sum_over_ranks(tokens, device)
     final = last_eval if last_eval is not None else evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
+            "dtype": cfg.dtype,
             "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
             "resumed_from": start, "world_size": world, "experts": experts,
             "frozen_dtype": held["dtype"] if held["tensors"] else "float32"}

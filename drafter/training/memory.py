@@ -348,7 +348,7 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
     ``frozen_dtype``: the dtype frozen weights are held in (``train.frozen_dtype``, see the module docstring).
     DSpark: ``anchors`` × ``block_size`` block tokens per window in one pass (no K unrolling)."""
     p = shape.params
-    c = "bfloat16" if train.dtype == "bfloat16" else "float32"
+    c = "bfloat16" if train.dtype in ("bfloat16", "auto") else "float32"  # auto: bfloat16 on a GPU
     T = train.window
     fused = train.loss == "lk_hybrid"
     lines: list[MemoryLine] = []

@@ -82,6 +82,7 @@ class TrainResult(ResultFile):
     device: str | None = None
     experts: str | None = None
     frozen_dtype: str | None = None
+    dtype: str | None = None  # the compute dtype the run used (train.dtype, auto resolved)
     hardware: dict | None = None
 
 
