@@ -24,7 +24,7 @@ from pathlib import Path
 from drafter.core.stage import Artifact, canonical_json
 from drafter.evaluation.ab_live import AbLiveResult
 from drafter.evaluation.offline_result import OfflineResult
-from drafter.release.card_sections import (NOT_MEASURED, dspark_section, gate_section, live_section,
+from drafter.release.card_sections import (NOT_MEASURED, dspark_section, eagle3_section, gate_section, live_section,
                                            offline_section, quant_section, read_result, served_k, stage_reason,
                                            target_section, training_section)
 from drafter.release.card_speed import SPEED_PLOT, speed_section, usage_spec
@@ -34,12 +34,31 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_card_templates"
 MACROS = "_macros.md"
 UNKNOWN_REPO = "ORG/NAME"
 REQUIRED = ("prepare_target", "train", "gate")
+KIND_TAGS = {"eagle3": ("eagle3", "speculators")}  # front matter tags after speculative-decoding, draft-model
 
 
-def _summary(target, train, offline, k, dspark: dict | None = None) -> dict:
+def drafter_kind(cfg) -> str:
+    """The kind of drafter a release trains (and the card template it gets): ``eagle3``, ``dspark`` or ``mtp``."""
+    return "eagle3" if cfg.eagle3.enabled else "dspark" if cfg.dspark.enabled else "mtp"
+
+
+def _eagle3_what(target: dict, train: dict, e: dict) -> str:
+    if not e["ok"]:
+        return e["reason"]
+    return (f"An EAGLE-3 head for {target['name']} (vLLM's `method: eagle3`): one Llama decoder layer over "
+            f"`fc`(the concatenation of the target's aux hidden states at layers {e['aux_layer_ids']}), with its own "
+            f"draft vocabulary of {e['draft_vocab_size']:,} of the target's {e['vocab_size']:,} tokens (`d2t` / `t2d` "
+            f"maps), trained with the training-time test over K={train['k']} steps; fine-tuned from {train['init']} "
+            f"with the `{train['loss']}` loss ({train['trainable']:,} trainable parameters). The embedding is the "
+            "target's (not in this release: vLLM shares it).")
+
+
+def _summary(target, train, offline, k, dspark: dict | None = None, eagle3: dict | None = None) -> dict:
     if not train["ok"]:
         return {"what": train["reason"], "headline": offline.get("reason") or train["reason"]}
-    if dspark:
+    if eagle3:
+        what = _eagle3_what(target, train, eagle3)
+    elif dspark:
         what = (f"A DSpark block drafter for {target['name']} (vLLM's `method: dspark`): {dspark['layers']} decoder "
                 f"layer(s) over the target's layers {dspark['target_layer_ids']}, blocks of {dspark['block_size']} "
                 f"tokens, a Markov head of rank {dspark['markov_rank']}"
@@ -102,8 +121,7 @@ def _forced_warning(gate: dict) -> str | None:
             "than the released drafter.")
 
 
-def _limitations(offline: dict, live: dict, quant: dict, target: dict, dspark: dict | None,
-                 forced: bool) -> list[str]:
+def _limitations(offline: dict, live: dict, quant: dict, target: dict, kind: str, forced: bool) -> list[str]:
     out = []
     if offline.get("ok"):
         out.append(f"Offline τ comes from {offline['positions']} positions in {offline['windows']} windows of "
@@ -121,8 +139,10 @@ def _limitations(offline: dict, live: dict, quant: dict, target: dict, dspark: d
         out.append("The FP8 drop-in was verified byte-wise, but vLLM could not run FP8 on the machine that "
                    "built this release: " + quant["fp8"]["verify"]["vllm_load"])
     if target["source"] == "embedded":
-        out.append("The target is the pipeline's embedded demo (a small model re-expressed with an MTP layer "
-                   f"and a stand-in released {'DSpark draft' if dspark else 'drafter'}): the numbers show the "
+        stand_in = {"dspark": "DSpark draft"}.get(kind, "drafter")
+        what = ("served as the Llama it is, with a stand-in released EAGLE-3 head trained from scratch"
+                if kind == "eagle3" else f"re-expressed with an MTP layer and a stand-in released {stand_in}")
+        out.append(f"The target is the pipeline's embedded demo (a small model {what}): the numbers show the "
                    "pipeline working, not a production drafter's quality.")
     if forced:
         out.append("The release gate did not pass (see the gate section).")
@@ -130,18 +150,20 @@ def _limitations(offline: dict, live: dict, quant: dict, target: dict, dspark: d
 
 
 def _usage(cfg, repo: str, target: dict, k: int, train: dict, live: dict, ab: AbLiveResult | None,
-           dspark: dict | None) -> dict:
+           kind: str) -> dict:
     """How to serve the release: the drafter file, K, the method, the ``--speculative-config`` JSON (the A/B's
-    schedule, else the fixed K: :func:`~drafter.release.card_speed.usage_spec`) and the server arguments the A/B ran
-    with."""
+    schedule, else the fixed K: :func:`~drafter.release.card_speed.usage_spec`; an EAGLE-3 head is loaded from the
+    release repo, ``"model": <repo>``) and the server arguments the A/B ran with."""
     from drafter.models import TRAINED_NAME
     from drafter.models.dspark import DSPARK_DIR
 
-    method = "dspark" if dspark else ((ab.method if ab else None) or cfg.ab_live.method)
+    method = kind if kind != "mtp" else ((ab.method if ab else None) or cfg.ab_live.method)
+    drafter_file = {"dspark": DSPARK_DIR, "eagle3": "model.safetensors"}.get(kind, TRAINED_NAME)
     return {"repo_id": repo, "target_short": target["short"], "target_how": target["how"],
-            "drafter_file": DSPARK_DIR if dspark else TRAINED_NAME, "k": k,
-            "draft_vocab": (train.get("draft_vocab") or {}).get("size") if train.get("ok") and not dspark else None,
-            "method": method, **usage_spec(ab, method, k, dspark=bool(dspark)),
+            "drafter_file": drafter_file, "k": k,
+            "draft_vocab": (train.get("draft_vocab") or {}).get("size") if train.get("ok") and kind == "mtp" else None,
+            "method": method, **usage_spec(ab, method, k, dspark=kind == "dspark",
+                                           model=repo if kind == "eagle3" else None),
             "server_args": live["server_args"] if live.get("ok") else shlex.join(
                 ["--dtype", cfg.serving.dtype, "--max-model-len", str(cfg.serving.max_model_len)]
                 + (["--enforce-eager"] if cfg.ab_live.eager(cfg.serving) else [])
@@ -163,15 +185,24 @@ def _raw(inputs, offline: dict, live: dict, quant: dict, train: dict, gate: dict
 def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id: str | None, version: str,
                  git_commit: str | None) -> dict:
     """Everything the card shows, read from the stage outputs (see the module docstring). The kind of
-    drafter (``mtp``, or ``dspark`` with ``dspark.enabled``) picks the template."""
-    kind = "dspark" if cfg.dspark.enabled else "mtp"
+    drafter (:func:`drafter_kind`: ``mtp``, ``dspark`` with ``dspark.enabled``, ``eagle3`` with ``eagle3.enabled``)
+    picks the template."""
+    kind = drafter_kind(cfg)
     ab, ab_why = read_result(inputs, "ab_live", AbLiveResult)
     ev, ev_why = read_result(inputs, "eval_offline", OfflineResult)
-    k = served_k(cfg, ab) if kind == "mtp" or ab else cfg.dspark.block_size
+    repo = repo_id or UNKNOWN_REPO
+    eagle3 = eagle3_section(cfg, inputs, ev) if kind == "eagle3" else None
+    if kind == "dspark" and not ab:
+        k = cfg.dspark.block_size
+    elif kind == "eagle3" and not ab:  # the K its speculators config serves (the train output), else the config's
+        k = (eagle3.get("speculative_tokens") if eagle3["ok"] else None) or cfg.eagle3.speculative_tokens
+    else:
+        k = served_k(cfg, ab)
     target = target_section(cfg, inputs)
     offline = offline_section(cfg, inputs, k, ev, ev_why)
     live = live_section(cfg, inputs, ab, ab_why, ev)
-    speed = speed_section(cfg, inputs, ab, ab_why, plot=any(f.get("path") == SPEED_PLOT for f in files))
+    speed = speed_section(cfg, inputs, ab, ab_why, plot=any(f.get("path") == SPEED_PLOT for f in files),
+                          model=repo if kind == "eagle3" else None)
     quant = quant_section(inputs)
     train = training_section(cfg, inputs, kind)
     dspark = dspark_section(cfg, inputs, ev) if kind == "dspark" else None
@@ -179,27 +210,29 @@ def card_context(cfg, inputs: dict[str, Artifact], *, files: list[dict], repo_id
     conf = config_dump(cfg)
     config_hash = hashlib.sha256(canonical_json(conf).encode()).hexdigest()[:16]
     keys = {name: a.key for name, a in sorted(inputs.items())}
-    repo = repo_id or UNKNOWN_REPO
     model_name = repo.rsplit("/", 1)[-1] if repo_id else (cfg.name if kind in cfg.name.lower() else f"{cfg.name}-{kind}")
     forced_warning = _forced_warning(gate)
     ctx = {
         "name": cfg.name, "kind": kind, "repo_id": repo, "model_name": model_name, "version": version,
         "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
-        "forced_warning": forced_warning, "target": target, "k": k, "dspark": dspark,
-        "summary": _summary(target, train, offline, k, dspark),
+        "forced_warning": forced_warning, "target": target, "k": k, "dspark": dspark, "eagle3": eagle3,
+        "summary": _summary(target, train, offline, k, dspark, eagle3),
         "files": files, "offline": offline, "live": live, "speed": speed, "quant": quant, "training": train,
         "gate": gate,
-        "usage": _usage(cfg, repo, target, k, train, live, ab, dspark),
+        "usage": _usage(cfg, repo, target, k, train, live, ab, kind),
         "provenance": {"config_hash": config_hash, "stage_keys": keys, "version": version,
                        "git_commit": git_commit or f"{NOT_MEASURED}: not built from a git checkout",
                        "target_revision": target["revision"], "chat_template_sha256": target["chat_template_sha256"]},
-        "limitations": _limitations(offline, live, quant, target, dspark, bool(forced_warning)),
+        "limitations": _limitations(offline, live, quant, target, kind, bool(forced_warning)),
         "front": {"license": target["license"], "base_model": target["base_model"],
-                  "tags": list(dict.fromkeys(["speculative-decoding", "draft-model", kind, "vllm", *cfg.publish.tags])),
+                  "tags": list(dict.fromkeys(["speculative-decoding", "draft-model", *KIND_TAGS.get(kind, (kind,)),
+                                              "vllm", *cfg.publish.tags])),
                   "datasets": list(cfg.publish.datasets) or None},
         "config": conf,
     }
     ctx["raw"] = _raw(inputs, offline, live, quant, train, gate, speed)
+    if eagle3 is not None:
+        ctx["raw"]["eagle3"] = eagle3.get("raw") or eagle3.get("reason")
     ctx["eval_results"] = _eval_results(offline, ev, model_name)
     return redact_obj_keep(ctx)
 

@@ -108,7 +108,10 @@ def target_section(cfg, inputs) -> dict:
     base_model = pt.hub_id if pt.source == "hub" and pt.hub_id else info.get("name") if info.get("source") == "embedded" else None
     license_ = cfg.publish.license or info.get("license") or EMBEDDED_LICENSES.get(name) or "other"
     source = info.get("source", pt.source)
-    if source == "embedded":
+    if source == "embedded" and info.get("architecture") == "llama":
+        how = (f"built by the pipeline's `prepare_target` stage: {name} ({redact_local(str(info.get('revision')))}) "
+               "written as the Llama it is (no MTP layer)")
+    elif source == "embedded":
         how = (f"built by the pipeline's `prepare_target` stage: {name} ({redact_local(str(info.get('revision')))}) "
                "re-expressed, weights unchanged, as GLM-4-MoE with one MTP layer")
     elif source == "hub":
@@ -116,7 +119,8 @@ def target_section(cfg, inputs) -> dict:
     else:
         how = f"the local checkpoint the release was built from (revision {redact_local(str(info.get('revision')))})"
     return {"name": name, "short": name.rsplit("/", 1)[-1], "base_model": base_model, "license": license_,
-            "source": source, "revision": redact_local(str(info.get("revision"))) if info else why,
+            "source": source, "architecture": info.get("architecture"),
+            "revision": redact_local(str(info.get("revision"))) if info else why,
             "chat_template_sha256": info.get("chat_template_sha256") or why or "none",
             "how": how, "missing": why}
 
@@ -318,6 +322,12 @@ def training_section(cfg, inputs, kind: str = "mtp") -> dict:
         init = ("the released DSpark draft: the `bootstrap_drafter` stage's (demo stand-in: a seeded random "
                 "initialization trained with CE on the other half of the data)" if not dc.get("released")
                 else f"the released DSpark draft `{redact_local(str(dc['released']))}`")
+    elif kind == "eagle3":
+        bc = _stage_config(inputs, "bootstrap_drafter", "bootstrap_drafter", cfg)
+        init = (f"the released EAGLE-3 head `{redact_local(str(tc['init']))}`" if tc.get("init") else
+                "the released EAGLE-3 head: the `bootstrap_drafter` stage's (demo stand-in: a head trained from scratch "
+                f"with the `{bc.get('loss')}` loss, training-time test over K={bc.get('k_steps')}, on the "
+                f"{bc.get('data_part')} part of the data)")
     else:
         init = ("the released drafter: the `bootstrap_drafter` stage's MTP layer (demo stand-in, next-next-token CE)"
                 if boot is None else "the released drafter inside the target checkpoint")
@@ -401,3 +411,32 @@ def _recalibration(inputs) -> str | None:
             f"b = {m['calibration_b']}, folded into `confidence_head.proj`) on {m['calibration_windows']} windows of the "
             f"fine-tune's data set aside from training: their ECE {m['calibration_ece_before']} → "
             f"{m['calibration_ece_after']}.")
+
+
+def eagle3_section(cfg, inputs, ev: OfflineResult | None) -> dict:
+    """The fine-tuned EAGLE-3 head as its ``config.json`` in the train output describes it (aux layers, draft
+    vocabulary, layer shape, layout, the verifier and K its speculators config names) and the draft vocabulary
+    each head was measured over (``eval_offline``)."""
+    from drafter.models.eagle3 import EAGLE3_DIR, Eagle3Config  # torch: imported when a card is built
+
+    doc, why = read_json(inputs, "train", f"{EAGLE3_DIR}/config.json")
+    if doc is None:
+        return {"ok": False, "reason": why}
+    head, layout = Eagle3Config.from_hf(doc, source=str(Path(inputs["train"].path) / EAGLE3_DIR / "config.json"))
+    spec = doc.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    measured = (ev.draft_vocab if ev is not None else None) or {}
+    names = {"baseline": _baseline_name(cfg, inputs), "candidate": "fine-tuned"}
+    verifier = str((spec.get("verifier") or {}).get("name_or_path") or "")
+    return {"ok": True, "layout": layout, "aux_layer_ids": list(head.aux_layer_ids),
+            "aux_count": len(head.aux_layer_ids),
+            "draft_vocab_size": head.draft_vocab_size, "vocab_size": head.vocab_size,
+            "hidden_size": head.hidden_size, "intermediate_size": head.intermediate_size,
+            "heads": head.num_attention_heads, "kv_heads": head.num_key_value_heads,
+            "target_hidden_size": head.target_hidden_size, "norm_before_residual": head.norm_before_residual,
+            "speculative_tokens": methods[0].get("speculative_tokens"),
+            "verifier": verifier if verifier and redact_local(verifier) == verifier else None,  # a local path: none
+            "dtype": doc.get("torch_dtype"),
+            "measured_vocab": [f"{names.get(n, n)} {v:,}" for n, v in measured.items() if v is not None],
+            "raw": {"config": {k: v for k, v in doc.items() if k != "transformer_layer_config"} | {"layout": layout},
+                    "measured_draft_vocab": measured}}

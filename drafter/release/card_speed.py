@@ -6,7 +6,8 @@ Read from the live A/B (:class:`~drafter.evaluation.ab_live.AbLiveResult`):
   A/B derived from its concurrency × K sweep, exactly as ``schedule.speculative_config`` holds it (vLLM's
   ``num_speculative_tokens_per_batch_size``); None when that schedule turns speculation off everywhere (the card then
   serves the target without ``--speculative-config``); an A/B without a schedule (older outputs), DSpark or no live
-  A/B: the fixed K, ``{"method": …, "num_speculative_tokens": K}``.
+  A/B: the fixed K, ``{"method": …, "num_speculative_tokens": K}``. A drafter vLLM loads from its own repo (EAGLE-3)
+  gets ``"model": <the release repo>`` second, in place of the local folder the A/B served.
 * :func:`speed_section` — per measured concurrency at the gate's temperature, tok/s of no speculation, of the
   released and the fine-tuned drafter at the fixed K and of the released configuration
   (:func:`~drafter.evaluation.ab_live.sweep.released_speeds`), each with × no speculation; where speculation pays;
@@ -47,17 +48,27 @@ def ranges_text(ranges: list[list[int]]) -> str:
     return "; ".join(one(*r) for r in ranges)
 
 
-def usage_spec(ab: AbLiveResult | None, method: str, k: int, dspark: bool = False) -> dict:
+def with_model(spec: dict | None, model: str | None) -> dict | None:
+    """``spec`` with ``"model": model`` right after ``method`` (replacing the local folder an A/B served); unchanged
+    when ``model`` is None (MTP: the drafter is inside the served checkpoint)."""
+    if spec is None or model is None:
+        return spec
+    rest = {k: v for k, v in spec.items() if k not in ("method", "model")}
+    return {"method": spec.get("method"), "model": model, **rest}
+
+
+def usage_spec(ab: AbLiveResult | None, method: str, k: int, dspark: bool = False, model: str | None = None) -> dict:
     """The usage line's ``--speculative-config``: ``speculative_config_json`` (None: serve without speculation),
     ``fixed_config_json`` (the fixed K, what a vLLM that refuses the schedule or a person trying the drafter anyway
-    serves) and ``k_note`` (one sentence on what the line serves)."""
-    fixed = schedule_json({"method": method, "num_speculative_tokens": k})
+    serves) and ``k_note`` (one sentence on what the line serves). ``model``: the drafter's repo, for a drafter vLLM
+    loads on its own (EAGLE-3)."""
+    fixed = schedule_json(with_model({"method": method, "num_speculative_tokens": k}, model))
     sc = ab.schedule if ab is not None and not dspark else None
     out = {"speculative_config_json": fixed, "fixed_config_json": fixed, "schedule": sc is not None,
            "k_note": f"K={k} is the K the live A/B served."}
     if sc is None:
         return out
-    spec = schedule_json(sc.speculative_config)
+    spec = schedule_json(with_model(sc.speculative_config, model))
     out["speculative_config_json"] = spec
     if spec is None:
         out["k_note"] = (f"K={k} is the fixed K the live A/B served; it beat no speculation at none of the "
@@ -130,7 +141,7 @@ def _limit_sentence(ab: AbLiveResult) -> str:
             "pass on every token to keep its cache in sync).")
 
 
-def _schedule_lines(ab: AbLiveResult) -> list[str]:
+def _schedule_lines(ab: AbLiveResult, model: str | None = None) -> list[str]:
     sc = ab.schedule
     if sc is None:
         return []
@@ -138,7 +149,7 @@ def _schedule_lines(ab: AbLiveResult) -> list[str]:
     head = (f"The sweep behind it (T={sc.temperature:g}, {sc.method} drafts; the fine-tuned drafter at each K, "
             f"tok/s; a K counts at a concurrency only where it beats no speculation by more than {sc.tolerance:.0%}):")
     what = ("speculation off at every batch size" if sc.speculative_config is None
-            else f"{ranges_text(sc.ranges)} (`{schedule_json(sc.speculative_config)}`)")
+            else f"{ranges_text(sc.ranges)} (`{schedule_json(with_model(sc.speculative_config, model))}`)")
     if sc.speculative_config is None:
         served = "The released configuration's numbers are no speculation's."
     elif sc.served and (limit := serve_limit(ab)):
@@ -152,17 +163,19 @@ def _schedule_lines(ab: AbLiveResult) -> list[str]:
     return ["", head, "", table, "", f"Schedule: {what}. {served}"]
 
 
-def _measured_config(ab: AbLiveResult, t: float, method: str) -> str | None:
-    """The ``--speculative-config`` the A/B served the fine-tuned drafter with at ``t`` with ``method`` drafts."""
+def _measured_config(ab: AbLiveResult, t: float, method: str, model: str | None = None) -> str | None:
+    """The ``--speculative-config`` the A/B served the fine-tuned drafter with at ``t`` with ``method`` drafts
+    (``model``: the drafter's repo in place of the folder the A/B served)."""
     for srv in ab.servers or []:
         if (srv.get("drafter") == "candidate" and srv.get("draft_sample_method") == method
                 and t in (srv.get("temperatures") or []) and srv.get("speculative_config")):
-            return schedule_json(srv["speculative_config"])
+            return schedule_json(with_model(srv["speculative_config"], model))
     return None
 
 
-def sampling_advice(ab: AbLiveResult, tol: float) -> list[str]:
-    """One sentence per measured temperature above 0 (the module's sampling rule), with the numbers."""
+def sampling_advice(ab: AbLiveResult, tol: float, model: str | None = None) -> list[str]:
+    """One sentence per measured temperature above 0 (the module's sampling rule), with the numbers; ``model``: as
+    :func:`usage_spec`'s."""
     s = summary_of(ab)
     hot = [t for t in temperatures(ab) if t > 0]
     if not hot:
@@ -194,16 +207,17 @@ def sampling_advice(ab: AbLiveResult, tol: float) -> list[str]:
                        f"speculation by more than {tol:.0%} at {_users(c1)} {where}.")
             continue
         upto = max(c for c, x in ratios[best].items() if x > 1 + tol)
-        spec = _measured_config(ab, t, best)
+        spec = _measured_config(ab, t, best, model)
         how = f" (`--speculative-config '{spec}'`, as the A/B served it)" if spec else ""
         out.append(f"At T={t:g}, serve {best} drafts{how}: {b:.2f}× no speculation at {_users(c1)}, more than "
                    f"{tol:.0%} faster up to {_users(upto)} {where}.")
     return out
 
 
-def speed_section(cfg, inputs, ab: AbLiveResult | None, why: str | None, plot: bool = False) -> dict:
+def speed_section(cfg, inputs, ab: AbLiveResult | None, why: str | None, plot: bool = False,
+                  model: str | None = None) -> dict:
     """The card's *Speed vs concurrency* (see the module docstring); ``plot``: the release folder holds
-    :data:`SPEED_PLOT`."""
+    :data:`SPEED_PLOT`; ``model``: as :func:`usage_spec`'s."""
     if ab is None:
         return {"ok": False, "reason": why}
     t0, m0 = primary(ab)
@@ -215,7 +229,8 @@ def speed_section(cfg, inputs, ab: AbLiveResult | None, why: str | None, plot: b
              "k": "off" if v["k"] == 0 else str(v["k"]), "source": v["source"]} for c, v in curves.items()]
     return {"ok": True, "temperature": f"{t0:g}", "method": m0, "k": ab.num_speculative_tokens,
             "baseline_name": _baseline_name(cfg, inputs), "rows": rows, "plot": plot and bool(rows),
-            "pays": pays, "pays_note": pays_note, "schedule": _schedule_lines(ab), "sampling": sampling_advice(ab, tol),
+            "pays": pays, "pays_note": pays_note, "schedule": _schedule_lines(ab, model),
+            "sampling": sampling_advice(ab, tol, model),
             "raw": {"tolerance": tol, "by_concurrency": {str(c): v for c, v in curves.items()},
                     "schedule": ab.raw.get("schedule")}}
 

@@ -8,7 +8,11 @@ concurrency drawn here from the A/B's numbers) and ``release.json`` (every metri
 section with local paths redacted, stage keys, versions, the file list, the A/B's batch-size ``schedule`` and
 ``release_id``). MTP needs no server config beyond the index. A DSpark release has the draft folder
 ``dspark/`` (config.json + model.safetensors, what vLLM's ``method: dspark`` loads) in place of the
-drafter file and index, and ``fp8/`` holds a whole FP8 draft folder.
+drafter file and index, and ``fp8/`` holds a whole FP8 draft folder. An EAGLE-3 release is the fine-tuned head
+itself at the root — ``config.json`` (speculators format unless ``eagle3.layout: eagle``) and ``model.safetensors``,
+what ``"model": <repo>`` in vLLM's ``method: eagle3`` config and ``vllm serve <repo>`` load — beside the card,
+``release.json`` and ``assets/`` (the live tok/s plot too); no ``fp8/`` or ``exl3/`` (those stages skip an EAGLE-3
+head, saying why).
 
 ``release_id`` = the first 16 hex of sha256 over the canonical JSON list of ``[path, sha256]`` of every
 file except ``release.json`` (which records it): the same stage outputs give the same id.
@@ -36,7 +40,7 @@ from drafter.core.results import Part, ResultFile
 from drafter.models.dspark import DSPARK_DIR
 from drafter.quant.layout import FP8_DIR
 from drafter.evaluation.ab_live import ScheduleRecord
-from drafter.release.card import card_context, render_card, stage_reason
+from drafter.release.card import card_context, drafter_kind, render_card, stage_reason
 from drafter.release.card_speed import SPEED_PLOT, write_speed_plot
 from drafter.release.redact import redact_obj
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
@@ -44,6 +48,7 @@ from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE
 RELEASE_JSON = "release.json"
 CARD = "README.md"
 INDEX_NAME = "model.safetensors.index.json"
+EAGLE3_CONFIG, EAGLE3_WEIGHTS = "config.json", "model.safetensors"  # an EAGLE-3 head at the release's root
 ASSETS = {("eval_offline", "tau_vs_k.png"): "assets/tau_vs_k.png",
           ("eval_offline", "acceptance_per_position.png"): "assets/acceptance_per_position.png",
           ("eval_offline", "reliability.png"): "assets/reliability.png",
@@ -114,8 +119,13 @@ def _what(path: str, drafter_file: str) -> str:
     from drafter.quant.dropin import ERROR_NAME  # torch: imported when a folder is built, not with this module
     from drafter.quant.verify import VerifyResult
 
+    if path == drafter_file == EAGLE3_WEIGHTS:
+        return ("the fine-tuned EAGLE-3 head (`fc`, `layers.0.*`, `norm`, `lm_head` over the draft vocabulary, "
+                "`d2t`, `t2d`)")
     if path == drafter_file:
         return "the fine-tuned drafter (release tensor names)"
+    if path == EAGLE3_CONFIG and drafter_file == EAGLE3_WEIGHTS:
+        return "the EAGLE-3 head's config (what vLLM's `method: eagle3` loads; the speculators format names the target)"
     if path == f"{DSPARK_DIR}/config.json":
         return "the DSpark draft's config (Qwen3DSparkModel, as vLLM loads it)"
     if path == "fp8/config.json":
@@ -165,6 +175,15 @@ def _copy_drafter(cfg, inputs: dict[str, Artifact], trained: Path, out: Path, ki
 
     if kind == "dspark":
         shutil.copytree(trained.parent, out / DSPARK_DIR)
+        return
+    if kind == "eagle3":  # the head folder at the root: what vLLM and speculators load from the repo
+        shutil.copyfile(trained, out / EAGLE3_WEIGHTS)
+        src = trained.parent / EAGLE3_CONFIG
+        doc = json.loads(src.read_text())
+        if redact_obj(doc) == doc:
+            shutil.copyfile(src, out / EAGLE3_CONFIG)  # the bytes train wrote
+        else:  # a local verifier path: not published
+            _copy_json_redacted(src, out / EAGLE3_CONFIG)
         return
     shutil.copyfile(trained, out / TRAINED_NAME)
     if (trained.parent / DRAFT_VOCAB_FILE).is_file():
@@ -217,10 +236,13 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise StageError(f"release folder {out} is not empty: give a new or empty directory")
-    kind = "dspark" if cfg.dspark.enabled else "mtp"
+    from drafter.models.eagle3 import EAGLE3_DIR
+
+    kind = drafter_kind(cfg)
     why = stage_reason(inputs, "train")
-    drafter_file = f"{DSPARK_DIR}/model.safetensors" if kind == "dspark" else TRAINED_NAME
-    trained = Path(inputs["train"].path) / drafter_file if why is None else None
+    drafter_file = {"dspark": f"{DSPARK_DIR}/model.safetensors", "eagle3": EAGLE3_WEIGHTS}.get(kind, TRAINED_NAME)
+    train_file = f"{EAGLE3_DIR}/{EAGLE3_WEIGHTS}" if kind == "eagle3" else drafter_file
+    trained = Path(inputs["train"].path) / train_file if why is None else None
     if trained is None or not trained.is_file():
         raise StageError(f"no fine-tuned drafter to release: {why or f'{trained} is missing'}")
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +252,7 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
         if stage_reason(inputs, stage) is None and (Path(inputs[stage].path) / name).is_file():
             (out / dst).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(inputs[stage].path) / name, out / dst)
-    if kind == "mtp":
+    if kind in ("mtp", "eagle3"):
         write_speed_plot(cfg, inputs, out)  # from ab_live.json's numbers: no stage writes it
 
     # the card lists every file (README.md and release.json without a hash: they cannot hold their own)

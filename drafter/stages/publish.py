@@ -3,7 +3,8 @@
 Inputs: every stage of the run (the card's numbers come from their output files) — the gate must
 have passed or been forced. Computes: the release folder (:func:`drafter.release.folder.build_release_folder`:
 ``README.md`` card, the trained drafter under the release's names with its index, ``fp8/``,
-``exl3/`` when produced, ``assets/``, ``release.json``) and the publish plan (repo, branch, mode,
+``exl3/`` when produced, ``assets/``, ``release.json``; an EAGLE-3 head's ``config.json`` + ``model.safetensors`` at
+the root, the repo vLLM loads as ``"model"``) and the publish plan (repo, branch, mode,
 every file with size and sha256, commit message, release id). Dry run (the default): nothing is
 sent. Otherwise one commit (or one pull request) with every file, made by
 :func:`drafter.release.hub.publish_folder` — retry-safe: an identical remote tree or an earlier

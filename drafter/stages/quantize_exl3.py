@@ -10,6 +10,8 @@ and ``lm_head``, the shared embedding; see :mod:`drafter.quant.exl3`), runs the 
 ``bits``, ``head_bits`` and the per-tensor ``overrides`` (an exllamav3 recipe), validates its output
 and dequantizes every EXL3 tensor with exllamav3 to measure its relative error. ``enorm``, ``hnorm``
 and ``eh_proj`` have no slot in that model: they are not converted (kept BF16, said so per tensor).
+A DSpark draft (``dspark/``) or an EAGLE-3 head (``eagle3/``) in the train output: skipped, with the reason —
+exllamav3 has neither architecture.
 Writes: ``exl3/model/`` (exllamav3's output: ``config.json`` with ``quantization_config``,
 ``quantization_config.json``, ``model.safetensors``, tokenizer), ``exl3/mtp-input-layer.safetensors``
 (the unconverted tensors, release names), ``exl3/names.json`` (EXL3 name ↔ release name),
@@ -30,6 +32,7 @@ from drafter.core.config import ReleaseConfig
 from drafter.core.errors import StageError, StageSkipped
 from drafter.models import TRAINED_NAME, layout_for, load_drafter
 from drafter.models.dspark import DSPARK_DIR
+from drafter.models.eagle3 import EAGLE3_DIR
 from drafter.quant import exl3
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
@@ -72,6 +75,9 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     if not weights.is_file() and (inputs["train"].path / DSPARK_DIR / "config.json").is_file():
         raise StageSkipped("the drafter is a DSpark block draft: exllamav3 has no DSpark architecture to quantize "
                            "(vLLM serves the draft from its BF16/F32 tensors or the FP8 form)")
+    if not weights.is_file() and (inputs["train"].path / EAGLE3_DIR / "config.json").is_file():
+        raise StageSkipped("the drafter is an EAGLE-3 head: exllamav3 has no EAGLE-3 head architecture to quantize "
+                           "(vLLM serves the head from its BF16/F32 tensors)")
     if not weights.is_file():
         raise StageError(f"{weights}: the fine-tuned drafter is missing from the train output")
     layout, pres = drafter_presentation(model_dir)

@@ -14,6 +14,10 @@ exact bytes, the rest cast to the release's dtype.
 DSpark (``dspark.enabled``): the same against the released draft folder's FP8 form, or on the demo a
 stand-in of the bootstrap's draft (its decoder layers' linear weights in FP8); ``fp8/`` then also holds
 the release's ``config.json``, so it is a whole draft folder vLLM loads.
+EAGLE-3 (``eagle3.enabled``): an FP8 drop-in would match a released head in FP8; when the released head
+(``train.init`` or the bootstrap's stand-in) has no FP8 tensors — the demo's and ordinary speculators heads are
+float/bf16 — the stage is skipped saying so (the fine-tuned head ships in the release's own dtype). An FP8
+released head is skipped too: an FP8 drop-in of an EAGLE-3 head is not implemented.
 Writes: ``fp8/mtp-ft.safetensors``, ``fp8/model.safetensors.index.json`` (the release's index with
 every drafter key pointed at the new file), ``fp8/fp8-error.json``, ``release.json``.
 Reports: tensors, FP8 tensors, kept and cast tensors, the largest relative FP8 error and its tensor.
@@ -30,9 +34,9 @@ from drafter.core.progress import progress
 from drafter.quant.dropin import build_dropin
 from drafter.models.dspark import DSPARK_DIR
 from drafter.quant.layout import FP8_DIR, STANDIN_DIR, FP8ReleaseInfo
-from drafter.quant.release import open_release
+from drafter.quant.release import FP8_DTYPES, open_release, tensor_infos
 from drafter.quant.standin import write_standin_dspark_release, write_standin_release
-from drafter.release.baselines import released_draft, released_weights
+from drafter.release.baselines import released_draft, released_head, released_weights
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.models.target import target_dir
 
@@ -63,8 +67,26 @@ def _dspark_release(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path):
     return open_release(out / STANDIN_DIR), "stand-in", _float_reader(released / "model.safetensors"), trained
 
 
+def _eagle3_skip(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> StageSkipped:
+    """Why an EAGLE-3 release has no FP8 form: its released head is not FP8 (the usual case), or it is and an
+    FP8 drop-in of an EAGLE-3 head is not implemented."""
+    head = released_head(cfg, inputs)
+    files = {p.name for p in head.glob("*.safetensors")}
+    if not files:
+        raise StageError(f"the released EAGLE-3 head {head} has no *.safetensors files")
+    infos = tensor_infos(head, files)
+    fp8 = sorted(k for k, t in infos.items() if t.dtype in FP8_DTYPES)
+    if not fp8:
+        return StageSkipped(f"the released EAGLE-3 head {head} is not FP8: there is no FP8 release to match; the "
+                            "fine-tuned head ships in the release's own dtype")
+    return StageSkipped(f"the released EAGLE-3 head {head} has {len(fp8)} FP8 tensor(s) (e.g. {fp8[0]}), but an FP8 "
+                        "drop-in of an EAGLE-3 head is not implemented: the fine-tuned head ships unquantized")
+
+
 def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     c = cfg.quantize_fp8
+    if cfg.eagle3.enabled:
+        raise _eagle3_skip(cfg, inputs)
     tdir = target_dir(inputs["prepare_target"])
     if cfg.dspark.enabled:
         release, source, start, trained = _dspark_release(cfg, inputs, out)
@@ -111,7 +133,7 @@ STAGE = Stage(
     name="quantize_fp8",
     version="1",
     inputs=("prepare_target", "bootstrap_drafter", "train"),
-    sections=("quantize_fp8", "dspark"),
+    sections=("quantize_fp8", "dspark", "eagle3"),  # eagle3: None while disabled, keys unchanged
     run=run,
     description="FP8 drop-in of the fine-tuned drafter in the release's own format (rule, names, untouched bytes)",
 )
