@@ -354,7 +354,7 @@ def write_as_llama(model, tokenizer, out_dir: Path, dtype: str = "float32") -> P
     c = model.config
     if c.model_type != "llama":
         raise StageError(f"cannot write {c.model_type} as Llama: only Llama-architecture targets are written as they are")
-    sd = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in _dense_state(model).items()}
+    sd = {k: v.detach().to(getattr(torch, dtype), copy=True).contiguous() for k, v in _dense_state(model).items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_safetensors(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
