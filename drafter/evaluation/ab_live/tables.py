@@ -63,7 +63,12 @@ def _notes(ab: AbLiveResult, s: dict[SummaryKey, SummaryEntry], rows: list[tuple
              f"{', '.join(f'{t:g}' for t in temps)}, vLLM {ab.engine_version}, servers "
              f"{compile_mode(ab.compiled)}, {rounds} round(s) interleaved; τ and tok/s are means over rounds."
              + (f" Every server ran with `{' '.join(ab.server_args)}`." if ab.server_args else "")]
-    if (dv := (ab.draft_vocab or {}).get("candidate")):
+    if ab.method == "eagle3" and (ab.draft_vocab or {}).get("candidate"):
+        dv = ab.draft_vocab
+        lines.append(f"The EAGLE-3 heads draft over their own vocabularies (`draft_vocab_size` of each head's config): "
+                     f"the fine-tuned one over {dv['candidate']} tokens, the released one over "
+                     f"{dv.get('baseline') or 'the whole vocabulary'}" + (" tokens." if dv.get("baseline") else "."))
+    elif (dv := (ab.draft_vocab or {}).get("candidate")):
         lines.append(f"The fine-tuned drafter drafts over {dv} tokens (its draft vocabulary, `train.draft_vocab_size`); "
                      f"the released one over the whole vocabulary.")
     replay = ab.replay
