@@ -24,11 +24,10 @@ from drafter.core.config import ReleaseConfig
 
 
 def _draft_ids(vocab_size: int, which: str) -> list[int]:
-    """The heads' draft vocabularies: the released head every other token id (draft id d → target id 2d), the
-    fine-tuned one every id but the last — not the whole vocabulary: ``save_eagle3`` always writes ``d2t`` and
-    vLLM 0.32 refuses it for a head with ``draft_vocab_size`` = the target's vocabulary ("There is no module or
-    parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM")."""
-    return list(range(0, vocab_size, 2)) if which == "baseline" else list(range(vocab_size - 1))
+    """The heads' draft vocabularies: the released head every other token id (draft id d → target id 2d, written
+    with ``d2t`` / ``t2d``), the fine-tuned one the whole vocabulary (written without them: vLLM 0.32 has no
+    ``draft_id_to_target_id`` then)."""
+    return list(range(0, vocab_size, 2)) if which == "baseline" else list(range(vocab_size))
 
 
 def _bigram_target(out: Path) -> Path:

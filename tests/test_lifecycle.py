@@ -252,11 +252,11 @@ def _caught_mid_stage(stage: str, store: Path, watch: Watch) -> bool:
     return any(part.glob("work/ckpt/*"))  # train: a checkpoint written, steps still to go
 
 
-# every signal and every stage at least once: generate (vLLM and its engine processes, the largest process
-# tree) with SIGKILL and SIGTERM, capture with SIGINT, train with SIGKILL and SIGTERM. SIGTERM, SIGINT and
-# SIGHUP go through the same handler; what differs by stage is how it resumes, which each stage shows.
-SIGNAL_CASES = [("generate", signal.SIGKILL), ("generate", signal.SIGTERM), ("capture", signal.SIGINT),
-                ("train", signal.SIGKILL), ("train", signal.SIGTERM)]
+# every signal and every stage once: generate (vLLM and its engine processes, the largest process tree) with
+# SIGTERM, capture with SIGINT, train with SIGKILL (no handler runs: only the guards stop the children). SIGTERM,
+# SIGINT and SIGHUP go through the same handler; what differs by stage is how it resumes, which each stage shows.
+# (generate-SIGKILL and train-SIGTERM, the other two pairs, passed too; left out to keep CI under its time.)
+SIGNAL_CASES = [("generate", signal.SIGTERM), ("capture", signal.SIGINT), ("train", signal.SIGKILL)]
 
 
 @pytest.mark.slow
