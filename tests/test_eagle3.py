@@ -169,12 +169,10 @@ def test_bad_checkpoints_name_the_file_and_tensor(tmp_path):
         load_eagle3(tmp_path / "h", embed_tokens=emb)
 
 
-@pytest.mark.parametrize("layout", ["speculators", "eagle"])
-def test_vllm_loads_the_head_and_computes_what_we_compute(tiny_llama, tmp_path, layout):
-    """vLLM 0.32's Eagle3LlamaForCausalLM (serving env, CPU) built for the tiny Llama target and loaded from
-    our folder in either layout: the same fc output, first-pass logits over the target vocabulary (−inf
-    outside the draft vocabulary), fed-back hidden state, and the step-2 logits with the proposer's KV
-    cache; every tensor we save is one it loads."""
+@pytest.fixture(scope="module")
+def vllm_runs(tiny_llama, tmp_path_factory):
+    """Per layout: our head (saved in that layout for the tiny Llama target), its inputs, our outputs, and what
+    vLLM 0.32's Eagle3LlamaForCausalLM computed from the folder (one serving-env process for both layouts)."""
     from transformers import AutoConfig
 
     from drafter.serving.server import ServingError, serving_python
@@ -184,31 +182,44 @@ def test_vllm_loads_the_head_and_computes_what_we_compute(tiny_llama, tmp_path, 
         py = serving_python()
     except ServingError as e:
         pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
+    root = tmp_path_factory.mktemp("vllm-eagle3")
     tc = AutoConfig.from_pretrained(tiny_llama)
-    cfg = Eagle3Config.for_target(tc, draft_vocab_size=512)
-    head = _head(cfg, seed=3)
+    head = _head(Eagle3Config.for_target(tc, draft_vocab_size=512), seed=3)
     tw = load_file(str(tiny_llama / "model.safetensors"))
     with torch.no_grad():
         head.embed_tokens.weight.copy_(tw["model.embed_tokens.weight"])
         head.lm_head.weight.mul_(4)  # clear margins
     head.set_draft_vocab(sorted(torch.randperm(tc.vocab_size, generator=torch.Generator().manual_seed(4))[:512].tolist()))
-    save_eagle3(head, tmp_path / "head", layout=layout, verifier=str(tiny_llama), speculative_tokens=2)
     T, p = 12, 7
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, tc.vocab_size, (1, T), generator=g)
     feats = torch.randn(1, T, 3 * tc.hidden_size, generator=g)
     with torch.no_grad():
         out = head.unroll(ids, feats, k_steps=2)
-        ours1, ours2 = head.target_logits(out.logits[0][0]), head.target_logits(out.logits[1][0])
     shifted = torch.cat([ids[0, 1:], torch.zeros(1, dtype=ids.dtype)])
     step2 = torch.cat([ids[0, 2:], torch.zeros(2, dtype=ids.dtype)])
     torch.save({"features": feats[0], "ids": shifted, "positions": torch.arange(T), "step2_ids": step2, "end": p},
-               tmp_path / "in.pt")
-    r = subprocess.run([py, vllm_eagle3_model.__file__, str(tiny_llama), str(tmp_path / "head"), str(tmp_path / "in.pt"),
-                        str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600,
-                       env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})
+               root / "in.pt")
+    args = []
+    for layout in ("speculators", "eagle"):
+        save_eagle3(head, root / layout, layout=layout, verifier=str(tiny_llama), speculative_tokens=2)
+        args += [str(root / layout), str(root / "in.pt"), str(root / f"{layout}.pt")]
+    r = subprocess.run([py, vllm_eagle3_model.__file__, str(tiny_llama), *args], capture_output=True, text=True,
+                       timeout=600, env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-3000:]
-    theirs = torch.load(tmp_path / "out.pt")
+    return {layout: torch.load(root / f"{layout}.pt") for layout in ("speculators", "eagle")} | {
+        "head": head, "features": feats, "out": out, "T": T, "p": p}
+
+
+@pytest.mark.parametrize("layout", ["speculators", "eagle"])
+def test_vllm_loads_the_head_and_computes_what_we_compute(vllm_runs, layout):
+    """vLLM 0.32's Eagle3LlamaForCausalLM (serving env, CPU) built for the tiny Llama target and loaded from
+    our folder in either layout: the same fc output, first-pass logits over the target vocabulary (−inf
+    outside the draft vocabulary), fed-back hidden state, and the step-2 logits with the proposer's KV
+    cache; every tensor we save is one it loads."""
+    head, out, T, p, theirs = vllm_runs["head"], vllm_runs["out"], vllm_runs["T"], vllm_runs["p"], vllm_runs[layout]
+    with torch.no_grad():
+        ours1, ours2 = head.target_logits(out.logits[0][0]), head.target_logits(out.logits[1][0])
     assert theirs["has_own_embed_tokens"] is False
     loaded = {n.removeprefix("model.") for n in theirs["params"]}
     fused = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
@@ -219,7 +230,7 @@ def test_vllm_loads_the_head_and_computes_what_we_compute(tiny_llama, tmp_path, 
             name = name.replace(a, b)
         assert name in loaded or name == "t2d", name
     with torch.no_grad():
-        torch.testing.assert_close(head.combine(feats)[0], theirs["combined"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(head.combine(vllm_runs["features"])[0], theirs["combined"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.hidden[0][0, : T - 1], theirs["prenorm1"][: T - 1], atol=1e-4, rtol=1e-4)
         assert torch.equal(torch.isinf(ours1), torch.isinf(theirs["logits1"]))
         keep = ~torch.isinf(ours1)
