@@ -167,6 +167,33 @@ def test_a_refused_schedule_is_still_the_usage_line_and_the_card_says_why(tmp_pa
     assert "T > 0 was not measured (the live A/B ran at T=0 only)" in section(md, "### Sampling (T > 0)")
 
 
+def test_a_fixed_k_faster_than_the_served_schedule_is_the_usage_line(tmp_path):
+    """vLLM served the schedule below the fixed K it schedules (the EAGLE-3 demo's case): the card serves fixed K=3
+    up to the 4 users where it pays, with the numbers of its own server, and says why; release.json too."""
+    slow = {1: 50.0, 2: 90.0, 4: 155.0, 8: 279.0}
+    ab = ab_with_schedule(PAYS, SWEEP_PAYS, served=True, schedule_tok=slow)
+    ctx, md = _card(_inputs(tmp_path, ab))
+    (argv,) = serve_lines(md)
+    assert spec_of(argv) == {"method": "mtp", "draft_sample_method": "greedy", "num_speculative_tokens": 3}
+    usage = section(md, "## Usage")
+    assert "serves the fixed K the live A/B's sweep found fastest — fixed K=3 up to 4 users: 1.20× no speculation " \
+           "(geometric mean over 1, 2, 4, 8 users), faster than the schedule (served) at 1.10×" in usage
+    assert "Above 4 users serve the target without the drafter: fixed K=3 did not beat no speculation beyond " \
+           "noise there." in usage
+    rows = speed_rows(md)
+    for c, (none, _, _) in PAYS.items():
+        rel = SWEEP_PAYS[c][3] if c <= 4 else none
+        assert rows[str(c)]["released configuration"] == f"{rel:.1f} ({rel / none:.2f}×)"
+        assert rows[str(c)]["K served"] == ("3" if c <= 4 else "off")
+    assert rows["1"]["released configuration measured as"] == "fixed K=3"
+    speed = section(md, "## Speed vs concurrency")
+    assert "**Speculation pays up to 4 concurrent users on this hardware." in speed
+    assert "vLLM served the schedule itself in the A/B; the release serves fixed K=3 up to 4 users" in speed
+    rel = ctx["raw"]["speed"]["released"]
+    assert (rel["kind"], rel["k"], rel["serve_limit"], rel["ranges"]) == ("fixed", 3, 4, [[1, 4, 3], [5, 1024, 0]])
+    assert plot_speed(AbLiveResult.of(ab), tmp_path / "p.png").is_file()
+
+
 def test_speculation_that_pays_nowhere_serves_the_target_without_it(tmp_path):
     ab = ab_with_schedule(NOWHERE, SWEEP_NOWHERE, served=False, t1={"greedy": T1_SLOW})
     sched = ab["schedule"]

@@ -11,12 +11,13 @@ Checks (each with its numbers, see :class:`Check`):
   offline τ taken at the live K under the matching rule (T=0 → ``t0``; T>0 → ``t1_greedy`` for greedy
   drafts, ``t1_prob`` for probabilistic ones);
 * ``no_spec/c<c>`` — at every measured concurrency, the released configuration
-  (:func:`~drafter.evaluation.ab_live.sweep.released_speeds`: the schedule derived from the A/B's sweep, as served,
-  up to the users where speculation pays, and no speculation above them where a server with the drafter was
-  slower; an A/B without a sweep: the fixed K) is not slower than no speculation:
-  tok/s ≥ no speculation's · (1 − ``tok_s_tolerance``);
+  (:func:`~drafter.evaluation.ab_live.sweep.released_configuration`: the schedule derived from the A/B's sweep, as
+  served, or the fixed K that was faster than it beyond its tolerance; each up to the users where speculation
+  pays, and no speculation above them where a server with the drafter was slower; an A/B without a sweep: the fixed
+  K) is not slower than no speculation: tok/s ≥ no speculation's · (1 − ``tok_s_tolerance``);
 * ``schedule/c<c>`` — where the served schedule is the released configuration, its tok/s is within
-  ``tok_s_tolerance`` of the best fixed choice the sweep measured there (no speculation or one K).
+  ``tok_s_tolerance`` of the best fixed choice the sweep measured there (no speculation or one K). Where a fixed K is
+  released instead, the report says why (``released``), with both speeds.
 
 The τ, tok/s and live-vs-offline checks run at the A/B's lowest temperature (every draft sampling method
 measured there: at T=0 greedy only). The other temperatures and methods are listed in the gate document
@@ -44,7 +45,7 @@ from drafter.core.config import GateConfig
 from drafter.core.errors import StageError
 from drafter.evaluation.ab_live import (AB_LIVE_JSON, NO_ENTRY, AbLiveResult, as_ab_live, compile_mode,
                                         matrix_markdown, matrix_rows, primary, run_key, summary_of, temperatures)
-from drafter.evaluation.ab_live.sweep import best_fixed, released_speeds
+from drafter.evaluation.ab_live.sweep import best_fixed, released_record, released_speeds
 from drafter.evaluation.offline_result import OfflineResult
 from drafter.core.results import Part, ResultFile, missing_key
 
@@ -104,6 +105,7 @@ class GateResult(ResultFile):
     key_numbers: dict[str, float | None] = {}
     live_matrix: list[dict] = []
     schedule: dict | None = None  # ab_live.json's schedule (older outputs and a gate without live numbers: none)
+    released: dict | None = None  # what the release serves (sweep.released_record; older outputs: none)
 
 
 def load_gate(stage_dir: str | Path) -> GateResult:
@@ -264,6 +266,7 @@ def gate_decision(ab: AbLiveResult | dict, ev: OfflineResult | dict, cfg: GateCo
         "key_numbers": key,
         "live_matrix": matrix_rows(ab),  # every temperature and draft sampling method, for information
         "schedule": ab.raw.get("schedule"),
+        "released": released_record(ab),
     }
 
 
@@ -296,6 +299,8 @@ def gate_report(result: GateResult | dict) -> str:
     for c in res.checks:
         lines.append(f"| {c.name} | {'pass' if c.passed else 'FAIL'} | {_fmt(c.value)} | "
                      f"{_fmt(c.reference)} | {_fmt(c.threshold)} | {c.detail} |")
+    if res.released:
+        lines.append(f"\nReleased configuration: {res.released['why']}.")
     for method, why in res.unsupported.items():
         lines.append(f"\nNot measured: draft sampling `{method}` ({why}).")
     if res.live_matrix:

@@ -78,7 +78,7 @@ def _interval(values: list[float]) -> tuple[float, float]:
     return min(values), max(values)
 
 
-def _beats(k_rounds: list[float], base_rounds: list[float], tolerance: float) -> bool:
+def beats(k_rounds: list[float], base_rounds: list[float], tolerance: float) -> bool:
     """Faster than the base beyond noise: the mean by more than ``tolerance`` and every round above every base
     round (with one round each, the means alone)."""
     lo, _ = _interval(k_rounds)
@@ -90,7 +90,7 @@ def _choose(concurrency: int, by_k: dict[int, list[float]], tolerance: float) ->
     if 0 not in by_k or not by_k[0]:
         raise StageError(f"the sweep at concurrency {concurrency} has no no-speculation measurement (K = 0)")
     base = by_k[0]
-    winners = sorted(k for k, v in by_k.items() if k > 0 and v and _beats(v, base, tolerance))
+    winners = sorted(k for k, v in by_k.items() if k > 0 and v and beats(v, base, tolerance))
     if not winners:
         best = max((k for k in by_k if k > 0 and by_k[k]), key=lambda k: fmean(by_k[k]), default=None)
         why = ("no K measured" if best is None else

@@ -30,7 +30,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafter.evaluation.ab_live import (NO_ENTRY, SCHEDULE, AbLiveResult, matrix, primary, released_speeds,
-                                        schedule_json, serve_limit, summary_of, sweep_markdown, temperatures)
+                                        schedule_json, summary_of, sweep_markdown, temperatures)
+from drafter.evaluation.ab_live.sweep import limit_sentence, released_configuration, released_record
 from drafter.release.card_sections import _baseline_name, _stage_config, read_result
 
 SPEED_PLOT = "assets/tok_s_vs_concurrency.png"
@@ -68,18 +69,24 @@ def usage_spec(ab: AbLiveResult | None, method: str, k: int, dspark: bool = Fals
            "k_note": f"K={k} is the K the live A/B served."}
     if sc is None:
         return out
-    spec = schedule_json(with_model(sc.speculative_config, model))
+    rel = released_configuration(ab)
+    spec = schedule_json(with_model(rel.speculative_config(sc), model))
     out["speculative_config_json"] = spec
     if spec is None:
         out["k_note"] = (f"K={k} is the fixed K the live A/B served; it beat no speculation at none of the "
                          "measured concurrencies (see *Speed vs concurrency*).")
         return out
-    out["k_note"] = ("The `--speculative-config` is the batch-size schedule derived from the live A/B's sweep "
-                     "(vLLM's `num_speculative_tokens_per_batch_size`: `[from, to, K]` ranges of the number of "
-                     f"requests in a batch, K = 0: no speculation): {ranges_text(sc.ranges)}; see *Speed vs "
-                     "concurrency*.")
+    if rel.kind == "fixed":
+        out["schedule"], out["fixed_config_json"] = False, spec
+        out["k_note"] = (f"The `--speculative-config` serves the fixed K the live A/B's sweep found fastest — "
+                         f"{rel.why} (see *Speed vs concurrency*).")
+    else:
+        out["k_note"] = ("The `--speculative-config` is the batch-size schedule derived from the live A/B's sweep "
+                         "(vLLM's `num_speculative_tokens_per_batch_size`: `[from, to, K]` ranges of the number of "
+                         f"requests in a batch, K = 0: no speculation): {ranges_text(sc.ranges)}; see *Speed vs "
+                         "concurrency*.")
     out["k_note"] += _limit_sentence(ab)
-    if not sc.served:
+    if rel.kind == "schedule" and not sc.served:
         out["k_note"] += (f" The A/B did not serve the schedule itself ({sc.refusal}); a vLLM that refuses "
                           f"`num_speculative_tokens_per_batch_size` serves the fixed K instead: "
                           f"`--speculative-config '{fixed}'`.")
@@ -119,7 +126,7 @@ def _pays(ab: AbLiveResult, curves: dict[int, dict], tol: float) -> tuple[str, s
     speculation by more than ``tol``."""
     sc = ab.schedule
     if sc is not None:
-        n, note = sc.pays_up_to, None
+        n, note = released_configuration(ab).pays_up_to, None
     else:
         n = max((c for c, v in curves.items()
                  if v["released"] and v["none"] and v["released"] > v["none"] * (1 + tol)), default=0)
@@ -131,14 +138,10 @@ def _pays(ab: AbLiveResult, curves: dict[int, dict], tol: float) -> tuple[str, s
 
 
 def _limit_sentence(ab: AbLiveResult) -> str:
-    """Where a server with the drafter was slower than no speculation even with speculation off: the users above
-    which the release is served without it (empty otherwise)."""
-    limit = serve_limit(ab)
-    if not limit:
-        return ""
-    return (f" Above {_users(limit)} serve the target without the drafter: a server with it loaded measured slower "
-            "than no speculation there even where the schedule turns speculation off (vLLM runs the drafter's first "
-            "pass on every token to keep its cache in sync).")
+    """Where a server with the drafter was slower than no speculation: the users above which the release is served
+    without it (empty otherwise)."""
+    s = limit_sentence(ab)
+    return f" {s}" if s else ""
 
 
 def _schedule_lines(ab: AbLiveResult, model: str | None = None) -> list[str]:
@@ -150,9 +153,14 @@ def _schedule_lines(ab: AbLiveResult, model: str | None = None) -> list[str]:
             f"tok/s; a K counts at a concurrency only where it beats no speculation by more than {sc.tolerance:.0%}):")
     what = ("speculation off at every batch size" if sc.speculative_config is None
             else f"{ranges_text(sc.ranges)} (`{schedule_json(with_model(sc.speculative_config, model))}`)")
+    rel = released_configuration(ab)
     if sc.speculative_config is None:
         served = "The released configuration's numbers are no speculation's."
-    elif sc.served and (limit := serve_limit(ab)):
+    elif rel.kind == "fixed":
+        served = (("vLLM served the schedule itself in the A/B" if sc.served else
+                   f"The schedule was not served in the A/B ({sc.refusal})") +
+                  f"; the release serves {rel.why}.")
+    elif sc.served and (limit := rel.limit):
         served = (f"vLLM served the schedule itself in the A/B: the released configuration's numbers are its own up "
                   f"to {_users(limit)}, no speculation's above.")
     elif sc.served:
@@ -232,7 +240,16 @@ def speed_section(cfg, inputs, ab: AbLiveResult | None, why: str | None, plot: b
             "pays": pays, "pays_note": pays_note, "schedule": _schedule_lines(ab, model),
             "sampling": sampling_advice(ab, tol, model),
             "raw": {"tolerance": tol, "by_concurrency": {str(c): v for c, v in curves.items()},
-                    "schedule": ab.raw.get("schedule")}}
+                    "schedule": ab.raw.get("schedule"),
+                    "released": _released_raw(ab, model)}}
+
+
+def _released_raw(ab: AbLiveResult, model: str | None) -> dict | None:
+    """``release.json``'s ``released`` (:func:`released_record`; ``model``: the drafter's repo in its config)."""
+    if ab.schedule is None:
+        return None
+    rec = released_record(ab)
+    return {**rec, "speculative_config": with_model(rec["speculative_config"], model)}
 
 
 def plot_speed(ab: AbLiveResult, path: Path, baseline_name: str = "released") -> Path | None:
@@ -252,7 +269,13 @@ def plot_speed(ab: AbLiveResult, path: Path, baseline_name: str = "released") ->
     lines = {"none": ("no speculation", "tab:gray", "-"),
              "baseline": (f"{baseline_name} drafter, K={k}", "tab:orange", "-"),
              "candidate": (f"fine-tuned, K={k}", "tab:blue", "-")}
-    if sc is not None and (limit := serve_limit(ab)):
+    rel = released_configuration(ab) if sc is not None else None
+    if rel is not None and rel.kind == "fixed":
+        if sc.served:
+            lines["served"] = ("schedule as served (drafter loaded)", "tab:red", ":")
+        upto = f" up to {_users(rel.limit)}, no drafter above" if rel.limit else ""
+        lines["released"] = (f"released configuration (fixed K={rel.k}{upto})", "tab:green", "-")
+    elif sc is not None and (limit := rel.limit):
         lines["served"] = ("schedule as served (drafter loaded)", "tab:red", ":")
         lines["released"] = (f"released configuration (schedule up to {_users(limit)}, no drafter above)",
                              "tab:green", "-")

@@ -13,12 +13,12 @@ drafters are measured on the same held-out set (eval_offline) and the same repla
   ``gate.force`` and no live A/B this check is waived, and the decision says so), and
 * its offline held-out τ (T=0, at the served K) exceeds the champion's by more than
   ``retrain.min_tau_gain`` — never waived: a retrain never publishes a drafter that is not better, and
-* at every concurrency the A/B measured, the candidate's released configuration (its schedule, see
-  :func:`drafter.evaluation.ab_live.released_speeds`) is not slower than the champion's:
+* at every concurrency the A/B measured, the candidate's released configuration (its schedule or fixed K, see
+  :func:`drafter.evaluation.ab_live.sweep.released_configuration`) is not slower than the champion's:
   tok/s ≥ the champion's · (1 − ``gate.tok_s_tolerance``) (:func:`speed_comparison`; waived without a live A/B).
 
-The champion's speed at concurrency c is its own schedule's K there (its ``release.json`` ``schedule.ranges``; a
-release without a schedule: the served K), read from this run's measurements: K = 0 → no speculation's tok/s;
+The champion's speed at concurrency c is its own released configuration's K there (its ``release.json``
+``released.ranges``, else ``schedule.ranges``; a release without either: the served K), read from this run's measurements: K = 0 → no speculation's tok/s;
 the served K → the baseline's tok/s; another K (the baseline is measured at the served K only) → the baseline's
 tok/s at the served K, and the row's note says so.
 
@@ -200,9 +200,9 @@ def _gate(ab: AbLiveResult | None, ev: OfflineResult, cfg: ReleaseConfig, no_liv
 
 
 def _champion_schedule(release: dict | None) -> list[tuple[int, int, int]] | None:
-    """The ranges ``[batch_from, batch_to, K]`` of the champion's schedule (its ``release.json`` ``schedule``);
-    None when its release has none (an older or fixed-K release)."""
-    sched = (release or {}).get("schedule")
+    """The ranges ``[batch_from, batch_to, K]`` the champion serves: its ``release.json`` ``released`` (the schedule
+    or a fixed K with a serve limit), else its ``schedule``; None when its release has neither (an older release)."""
+    sched = (release or {}).get("released") or (release or {}).get("schedule")
     if sched is None:
         return None
     if hasattr(sched, "model_dump"):

@@ -5,7 +5,8 @@
 :func:`drafter.serving.served_model.drafter_index`), ``fp8/`` (the drop-in, its index and error
 reports), ``exl3/`` when produced, ``assets/*.png`` (plots: the stages', and for MTP the live tok/s vs
 concurrency drawn here from the A/B's numbers) and ``release.json`` (every metric the card shows, the config per
-section with local paths redacted, stage keys, versions, the file list, the A/B's batch-size ``schedule`` and
+section with local paths redacted, stage keys, versions, the file list, the A/B's batch-size ``schedule``, the
+``released`` configuration (the schedule or a fixed K, up to how many users, its ``--speculative-config``) and
 ``release_id``). MTP needs no server config beyond the index. A DSpark release has the draft folder
 ``dspark/`` (config.json + model.safetensors, what vLLM's ``method: dspark`` loads) in place of the
 drafter file and index, and ``fp8/`` holds a whole FP8 draft folder. An EAGLE-3 release is the fine-tuned head
@@ -81,6 +82,7 @@ class ReleaseRecord(ResultFile):
     stage_keys: dict[str, str] = {}
     target: dict = {}
     schedule: ScheduleRecord | None = None  # ab_live.json's schedule as written (none: no sweep or no live A/B)
+    released: dict | None = None  # what the release serves: the schedule or a fixed K (sweep.released_record)
 
 
 def write_release_record(folder: Path, doc: dict) -> Path:
@@ -270,7 +272,8 @@ def build_release_folder(cfg, inputs: dict[str, Artifact], out: Path, *, version
            "config_hash": ctx["provenance"]["config_hash"], "stage_keys": ctx["provenance"]["stage_keys"],
            "target": {k: ctx["target"][k] for k in ("name", "base_model", "license", "source", "revision",
                                                     "chat_template_sha256")},
-           "schedule": (ctx["raw"]["speed"] or {}).get("schedule")}
+           "schedule": (ctx["raw"]["speed"] or {}).get("schedule"),
+           "released": (ctx["raw"]["speed"] or {}).get("released")}
     rel = write_release_record(out, doc)
     files.append({"path": RELEASE_JSON, "size": rel.stat().st_size, "sha256": sha256_file(rel)})
     return {"release_id": release_id, "files": sorted(files, key=lambda f: f["path"]), "card": CARD}

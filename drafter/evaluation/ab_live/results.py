@@ -245,12 +245,16 @@ def flat_metrics(result: AbLiveResult | dict, concurrency: list[int]) -> dict:
     out[f"decode_tok_s_c{c1}_none"] = e(t0, "none", "none", c1).decode_tok_s
     speeds("decode_tok_s", t0, m0, c1, "decode_", "")  # server side, prefill excluded
     if ab.schedule is not None:
-        from drafter.evaluation.ab_live.sweep import released_speeds
-        for c, sp in released_speeds(ab).items():
+        from drafter.evaluation.ab_live.sweep import released_configuration
+        rel = released_configuration(ab)
+        for c, sp in rel.speeds.items():
             out[f"tok_s_c{c}_released"] = sp.tok_s
             out[f"speedup_c{c}_released"] = _ratio(sp.tok_s, sp.no_spec)
         out["schedule_served"] = ab.schedule.served
-        out["speculation_pays_up_to"] = ab.schedule.pays_up_to
+        out["released_kind"] = rel.kind
+        out["released_k"] = rel.k
+        out["serve_limit"] = rel.limit
+        out["speculation_pays_up_to"] = rel.pays_up_to
     out["lossless_ok"] = ab.lossless.ok if ab.lossless else None
     out["lossless_identical"] = ab.lossless.identical if ab.lossless else None
     out["temperature"] = t0

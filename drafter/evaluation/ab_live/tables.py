@@ -7,8 +7,8 @@ from statistics import fmean
 from drafter.evaluation.ab_live.plan import compile_mode
 from drafter.evaluation.ab_live.results import (NO_ENTRY, AbLiveResult, SummaryEntry, SummaryKey, _ratio, as_ab_live,
                                                 matrix, primary, summary_of, temperatures)
-from drafter.evaluation.ab_live.sweep import (SCHEDULE, best_fixed, drafter_order, released_speeds, schedule_json,
-                                              serve_limit)
+from drafter.evaluation.ab_live.sweep import (SCHEDULE, best_fixed, drafter_order, limit_sentence,
+                                              released_configuration, released_speeds, schedule_json)
 
 
 def _f(x, fmt: str) -> str:
@@ -121,14 +121,13 @@ def sweep_markdown(result: AbLiveResult | dict) -> str:
     else:
         lines.append(f"The schedule was not served here ({sc.refusal}); released tok/s are the fixed-K servers' for the "
                      "scheduled K.")
-    lines.append(f"Speculation pays up to {sc.pays_up_to} concurrent user{'s' if sc.pays_up_to != 1 else ''} on this "
-                 "hardware." if sc.pays_up_to else
+    rel = released_configuration(ab)
+    lines.append(f"Speculation pays up to {rel.pays_up_to} concurrent user{'s' if rel.pays_up_to != 1 else ''} on "
+                 "this hardware." if rel.pays_up_to else
                  "Speculation pays at no measured concurrency on this hardware: serve without it.")
-    limit = serve_limit(ab)
-    if limit:
-        lines.append(f"Above {limit} user{'s' if limit != 1 else ''} the release is served without the drafter: a "
-                     "server with it loaded was slower than no speculation there even with speculation off (vLLM runs "
-                     "the drafter's first pass on every token to keep its cache in sync).")
+    lines.append(f"Released configuration: {rel.why}.")
+    if limit := limit_sentence(ab):
+        lines.append(limit)
     return "\n".join(lines) + "\n"
 
 
