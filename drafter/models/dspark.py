@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafter.models.checkpoint import read_tensors
+
 Tensor = torch.Tensor
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -490,8 +492,6 @@ def save_dspark(draft: DSparkDraft, out: Path, *, dtype: torch.dtype | None = No
 def load_dspark(path: Path) -> DSparkDraft:
     """A draft from a folder with ``config.json`` and ``*.safetensors`` (names as vLLM loads them);
     unknown, missing or mis-shaped tensors are errors naming the file and tensor."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -499,24 +499,9 @@ def load_dspark(path: Path) -> DSparkDraft:
     cfg = DSparkConfig.from_hf(json.loads(cfg_file.read_text()), source=str(cfg_file))
     draft = DSparkDraft(cfg)
     expected = {k: v for k, v in draft.state_dict().items() if not k.startswith("rotary.")}
-    got: dict[str, Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    for f in files:
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if name in ("embed_tokens.weight", "lm_head.weight") or name.startswith(("d2t", "t2d")):
-                    continue  # shared from the target / vocabulary maps: not the draft's parameters here
-                if name not in expected:
-                    raise ValueError(f"{f}: tensor {name!r} is not a DSpark draft tensor")
-                t = st.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise ValueError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, the config "
-                                     f"({cfg_file}) implies {tuple(expected[name].shape)}")
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{f}: tensor {name!r} has non-finite values (NaN or inf)")
-                got[name] = t
+    # embed_tokens / lm_head are shared from the target, d2t / t2d are vocabulary maps: not the draft's parameters
+    got = read_tensors(path, expected, "DSpark draft", cfg_file, skip=lambda n: n in (
+        "embed_tokens.weight", "lm_head.weight") or n.startswith(("d2t", "t2d")))
     missing = sorted(set(expected) - set(got))
     if missing:
         raise ValueError(f"{path}: missing DSpark tensor(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")

@@ -53,6 +53,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from drafter.models.checkpoint import read_tensors
 from drafter.models.mtp import Unrolled, _StepCache, causal_mask, reuse_mask
 
 Tensor = torch.Tensor
@@ -472,8 +473,6 @@ def load_eagle3(path: Path, *, embed_tokens: Tensor | None = None) -> tuple[Eagl
     """A head and its layout from a folder with ``config.json`` and ``*.safetensors`` (either layout).
     Unknown, missing, mis-shaped or non-finite tensors are errors naming the file and tensor. Without an
     ``embed_tokens`` tensor in the folder, ``embed_tokens`` (the target's) must be given."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -481,23 +480,7 @@ def load_eagle3(path: Path, *, embed_tokens: Tensor | None = None) -> tuple[Eagl
     cfg, layout = Eagle3Config.from_hf(json.loads(cfg_file.read_text()), source=str(cfg_file))
     head = Eagle3Draft(cfg)
     expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary_emb.")}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    got: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as st:
-            for stored in st.keys():
-                name = stored.replace("midlayer.", "layers.0.", 1)
-                if name not in expected:
-                    raise ValueError(f"{f}: tensor {stored!r} is not an EAGLE-3 head tensor")
-                t = st.get_tensor(stored)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise ValueError(f"{f}: tensor {stored!r} has shape {tuple(t.shape)}, the config ({cfg_file}) "
-                                     f"implies {tuple(expected[name].shape)}")
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{f}: tensor {stored!r} has non-finite values (NaN or inf)")
-                got[name] = t
+    got = read_tensors(path, expected, "EAGLE-3 head", cfg_file, rename=lambda n: n.replace("midlayer.", "layers.0.", 1))
     if "embed_tokens.weight" not in got:
         if embed_tokens is None:
             raise ValueError(f"{path}: no embed_tokens in the checkpoint; pass the target's embedding")
