@@ -272,6 +272,7 @@ def test_quant_training_and_gate_sections(release):
     res = read(inputs["train"], "result.json")
     tr = section(md, "## Training")
     assert f"wall time {res['seconds']:.1f} s" in tr and f"{res['trainable']} parameters" in tr
+    assert f"tokens, {res['dtype']}" in tr  # the compute dtype the run used (train.dtype auto resolved)
     gate = read(inputs["gate"], "gate.json")
     rows = table(section(md, "## Release gate"))
     assert [r["check"] for r in rows] == [c["name"] for c in gate["checks"]]

@@ -35,7 +35,7 @@ from tests.helpers.prefect_server import PREFECT, ROOT, deployments, prefect_api
 DRAFTER = str(Path(sys.executable).parent / "drafter")
 PODMAN = shutil.which("podman")
 IMAGES = {"project": "drafter-release:project", "serving": "drafter-release:serving"}
-SERVING_STAGES = {"generate", "verify_fp8", "ab_live"}  # their deployments run the serving image
+SERVING_STAGES = {"generate", "answer_heldout", "verify_fp8", "ab_live"}  # their deployments run the serving image
 BUCKET = "drafter-containers"
 # files that measure one run (times, speeds, a server's log) rather than compute a result
 MEASUREMENTS = {"generate": ("server.log", "summary.json", "shard_stats/*"), "capture": ("report.json",),

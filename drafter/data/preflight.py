@@ -123,9 +123,13 @@ def needed_stages(cfg: ReleaseConfig, stages: list[str] | None = None, *, source
     for w in wanted or []:
         if w not in all_stages:
             raise ConfigError(f"unknown stage {w!r} in {source}; use one of: {', '.join(registry.ORDER)}")
+    off = [w for w in wanted or [] if not all_stages[w].is_enabled(cfg)]
+    if off:
+        raise ConfigError(f"stage {off[0]!r} ({source}) has nothing to do with this config: it answers held-out "
+                          "conversations without answers and heldout.benchmarks, and there are none")
     from drafter.core.pipeline import with_inputs
 
-    return with_inputs(wanted)
+    return with_inputs(wanted, cfg)
 
 
 def preflight(cfg: ReleaseConfig, stages: list[str] | None = None, *, stages_source: str = "--stage",
@@ -266,9 +270,17 @@ def _what_to_do(e: BadInputError, setting: str) -> BadInputError:
 def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> list | None:
     """The user's held-out files: readable and well-formed, and never trained on (before the stage keys,
     which fingerprint them, are computed). Returns their conversations (None when no needed stage reads them)."""
-    if not cfg.heldout.files or not any(s in needed for s in HELDOUT_FILE_READERS):
+    if not (cfg.heldout.files or cfg.heldout.benchmarks) or not any(s in needed for s in HELDOUT_FILE_READERS):
         return None
     from drafter.data.heldout import check_not_trained_on, load_heldout
+    from drafter.data.heldout_answers import benchmark_prompts, is_answered
+
+    try:
+        check_not_trained_on(benchmark_prompts(cfg), convs, "heldout.benchmarks")  # prompt-only: their prompts compared
+    except BadInputError as e:
+        raise _what_to_do(e, "heldout.benchmarks") from None
+    if not cfg.heldout.files:
+        return None
 
     for f in cfg.heldout.files:
         p = Path(f).expanduser()
@@ -280,7 +292,8 @@ def _check_heldout_files(cfg: ReleaseConfig, convs: list, needed: list[str]) -> 
     except BadInputError as e:
         raise _what_to_do(e, "heldout.files") from None
     check_not_trained_on(heldout, convs)
-    return heldout
+    # the lengths are checked of the conversations evaluated as written (the others' answers are not given yet)
+    return [c for c in heldout if is_answered(c) and not cfg.heldout.regenerate]
 
 
 def _check_splits(cfg: ReleaseConfig, convs: list, todo: list[str]) -> None:
@@ -395,7 +408,7 @@ def _check_serving(cfg: ReleaseConfig, todo: list[str]) -> None:
     s = cfg.serving
     if s.backend != "vllm":
         return
-    engine_stages = [t for t in ("generate", "ab_live") if t in todo]
+    engine_stages = [t for t in ("generate", "answer_heldout", "ab_live") if t in todo]
     if "ab_live" in todo and s.launcher == "url":
         raise ConfigError("ab_live starts one vLLM server per drafter, which serving.launcher=url (one fixed server) "
                           "cannot do; set serving.launcher to subprocess or docker, or run only the stages before "

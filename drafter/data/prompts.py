@@ -144,9 +144,10 @@ def _builtin_split(seed: int, domain: str, j: int, fraction: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize_messages(msgs: Any, where: str, keep_answers: bool = False) -> tuple[dict, ...]:
+def _normalize_messages(msgs: Any, where: str, keep_answers: bool | str = False) -> tuple[dict, ...]:
     """Validate user messages; assistant contents become placeholders (they are regenerated), or, with
-    ``keep_answers``, stay as written (each must be a non-empty string: the answer evaluated)."""
+    ``keep_answers``, stay as written (each must be a non-empty string: the answer evaluated); with
+    ``keep_answers="optional"`` a missing or empty answer is a placeholder (the served target gives it)."""
     if not isinstance(msgs, list) or not msgs:
         raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
     out: list[dict] = []
@@ -165,7 +166,7 @@ def _normalize_messages(msgs: Any, where: str, keep_answers: bool = False) -> tu
                 raise BadInputError(f"{where}: messages[{i}].content ({role}) must be a non-empty string, got {_short(content)}")
             out.append({"role": role, "content": content})
         else:
-            if keep_answers and (not isinstance(content, str) or not content.strip()):
+            if keep_answers is True and (not isinstance(content, str) or not content.strip()):
                 raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a non-empty string, got "
                                     f"{_short(content)}; held-out conversations are evaluated as written, so give "
                                     "each assistant turn its answer (or drop the turn)")
@@ -175,10 +176,12 @@ def _normalize_messages(msgs: Any, where: str, keep_answers: bool = False) -> tu
                 raise BadInputError(f"{where}: messages[{i}] is a second assistant message in a row")
             if not out or out[-1]["role"] == "system":
                 raise BadInputError(f"{where}: messages[{i}] is an assistant message before any user message")
+            if keep_answers == "optional" and isinstance(content, str) and not content.strip():
+                content = None  # an empty answer: to be given by the served target
             out.append({"role": "assistant", "content": content if keep_answers else None})
     if not any(m["role"] == "user" for m in out):
         raise BadInputError(f"{where}: the conversation has no user message")
-    if keep_answers:
+    if keep_answers is True:
         if not any(m["role"] == "assistant" for m in out):
             raise BadInputError(f"{where}: the conversation has no assistant answer to evaluate; add the answers "
                                 "(held-out conversations are evaluated as written)")
@@ -203,7 +206,8 @@ def _name_shown(v: Any) -> str:
     return _short(v)
 
 
-def _user_row(row: Any, where: str, heldout_fraction: float, source: str, keep_answers: bool = False) -> Conversation:
+def _user_row(row: Any, where: str, heldout_fraction: float, source: str,
+              keep_answers: bool | str = False) -> Conversation:
     if not isinstance(row, dict):
         raise BadInputError(f"{where}: each row must be an object with a `messages` list, got {_short(row)}")
     if "messages" not in row:
@@ -236,7 +240,7 @@ def placeholder_answers(messages: Iterable[dict]) -> list[dict]:
     return out
 
 
-def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_answers: bool = False,
+def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_answers: bool | str = False,
                    setting: str = "generate.user_files") -> list[Conversation]:
     """Conversations from a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
@@ -244,7 +248,8 @@ def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_an
     string); optional ``id``, ``domain``, ``split``. Bad rows raise :class:`BadInputError` (a
     :class:`StageError`) naming the file, the line (JSONL) or row (Parquet), and the problem; each
     conversation's ``origin`` is that same ``file:line`` / ``file row N``. ``keep_answers``: the
-    assistant turns are kept as written (each must have its text) instead of becoming placeholders;
+    assistant turns are kept as written (each must have its text) instead of becoming placeholders
+    (``"optional"``: kept where written, placeholders where missing or empty, one after a last user turn);
     ``setting`` is the config field the file came from, named in errors.
     """
     path = Path(path).expanduser()

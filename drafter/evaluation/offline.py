@@ -354,6 +354,61 @@ def evaluate(held: HeldoutAlphas, labels: Mapping[str, Mapping[str, str]], *, dr
     }
 
 
+def _subset(held: HeldoutAlphas, keep: np.ndarray) -> HeldoutAlphas:
+    """The positions of ``held`` whose conversation index is in ``keep`` (a boolean mask over conversations)."""
+    mask = keep[held.conv] if held.positions else np.zeros(0, dtype=bool)
+    return HeldoutAlphas(conversations=held.conversations, conv=held.conv[mask],
+                         alphas={d: {r: a[mask] for r, a in per.items()} for d, per in held.alphas.items()},
+                         k_max=held.k_max)
+
+
+def concat_alphas(a: HeldoutAlphas, b: HeldoutAlphas) -> HeldoutAlphas:
+    """The positions of ``a`` then those of ``b``, each set's conversations kept apart (a conversation measured in
+    both, on two texts, is two bootstrap clusters)."""
+    n = len(a.conversations)
+    return HeldoutAlphas(conversations=a.conversations + b.conversations, conv=np.concatenate([a.conv, b.conv + n]),
+                         alphas={d: {r: np.concatenate([x, b.alphas[d][r]]) for r, x in per.items()}
+                                 for d, per in a.alphas.items()},
+                         k_max=a.k_max)
+
+
+def with_t1_text(res: dict, res_t1: dict, rules: tuple[str, ...] = ("t1_greedy", "t1_prob")) -> dict:
+    """:func:`evaluate`'s document ``res`` (measured on text answered at T=0) with its T=1 ``rules`` taken from
+    ``res_t1`` (the same conversations sampled at T=1 by the served target): per drafter, the paired difference and,
+    when the speed rule is one of them, the expected speed and recommended K. ``t1_text`` records the T=1 set."""
+    out = dict(res, drafters={d: dict(per) for d, per in res["drafters"].items()}, difference=dict(res["difference"]))
+    for d, per in out["drafters"].items():
+        for r in rules:
+            per[r] = res_t1["drafters"][d][r]
+    for r in rules:
+        if r in res_t1["difference"]:
+            out["difference"][r] = res_t1["difference"][r]
+    if res["speed_rule"] in rules:
+        out["expected_speedup"], out["recommended_k"] = res_t1["expected_speedup"], res_t1["recommended_k"]
+    out["t1_text"] = {"rules": list(rules), "positions": res_t1["positions"],
+                      "conversations": res_t1["conversations"],
+                      "benchmark_positions": res_t1.get("benchmark_positions", 0)}
+    return out
+
+
+def evaluate_with_benchmarks(held: HeldoutAlphas, labels: Mapping[str, Mapping[str, str]], benchmarks: list[str],
+                             **kw) -> dict:
+    """:func:`evaluate` of the held-out set, with each benchmark (a domain of ``benchmarks``) measured apart: the
+    overall figures, difference and recommended K are the held-out set's alone, and each benchmark is one more
+    ``by_domain`` entry (τ(K) with intervals over its own conversations). No benchmark: :func:`evaluate`."""
+    if not benchmarks:
+        return evaluate(held, labels, **kw)
+    dom = np.array([str(labels.get(rid, {}).get("domain") or UNKNOWN) for rid in held.conversations] or [UNKNOWN])
+    is_bench = np.isin(dom, benchmarks)
+    res = evaluate(_subset(held, ~is_bench), labels, **kw)
+    bench = evaluate(_subset(held, is_bench), labels, **kw)
+    for name, per_rule in res["drafters"].items():
+        for rule, s in per_rule.items():
+            s["by_domain"].update(bench["drafters"][name][rule]["by_domain"])
+    res["benchmark_positions"] = bench["positions"]
+    return res
+
+
 # --------------------------------------------------------------------------- report and plots
 
 
@@ -370,6 +425,9 @@ def render_markdown(res: dict) -> str:
     lines = [f"## Offline acceptance (held-out: {res['conversations']} conversations, {res['positions']} positions)", ""]
     if res.get("heldout"):
         lines += [f"Held-out set: {res['heldout']['text']}; never trained on.", ""]
+    if res.get("t1_text"):
+        lines += ["T=1 rows: the conversations answered by the served target measured on their answers sampled at "
+                  f"T=1 ({res['t1_text']['positions']} positions; the built-in split's, if any, on its own text).", ""]
     if (dv := (res.get("draft_vocab") or {}).get("candidate")):
         lines += [f"The fine-tuned drafter is measured over its draft vocabulary of {dv} tokens, as it is served "
                   f"(`train.draft_vocab_size`); the released one over the whole vocabulary.", ""]

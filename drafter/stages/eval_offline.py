@@ -10,7 +10,10 @@ The held-out set: the built-in held-out split (`capture`'s ``features/heldout``)
 ``cfg.scrub``'s rules, then captured here as the `capture` stage would (its settings, the same layers:
 :func:`drafter.data.capture.capture_rows`) into ``heldout-features/`` inside the in-progress
 directory, which is removed once the windows are loaded (a retry resumes from its finished shards).
-The files' size + sha256 are part of the key.
+The files' size + sha256 are part of the key. With an `answer_heldout` input (prompt-only files,
+``heldout.benchmarks``: :mod:`drafter.data.heldout_answers`) its rows are captured so instead of the files, the
+T=0 rule measured on the answers given at T=0 and the T=1 rules on those sampled at T=1; each benchmark is a
+domain of its own, kept out of the overall figures (:func:`drafter.evaluation.offline.evaluate_with_benchmarks`).
 Computes: each drafter unrolled ``k_max`` steps over every held-out window; α per draft position
 under the three rules (T=0; T=1 with greedy and with probabilistic drafts), τ(K) for K = 1..k_max
 from the chain products; bootstrap intervals over conversations; the same per domain and per mode;
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,14 +41,17 @@ import torch
 from drafter.data.capture import capture_rows, load_target_model
 from drafter.data.heldout import (SETTING as HELDOUT_SETTING, describe_builtin, fingerprint, record_truncation,
                                   user_heldout)
+from drafter.data.heldout_answers import TEMPERATURES, heldout_record, load_answered
 from drafter.core.config import ReleaseConfig
 from drafter.core.files import iter_rows, list_shards
 from drafter.core.errors import BadInputError, StageError
 from drafter.evaluation.acceptance import window_block_alphas
 from drafter.evaluation.calibration import plot_reliability, reliability
 from drafter.evaluation.offline_result import save_eval_offline
-from drafter.evaluation.offline import (conversation_labels, evaluate, heldout_alphas, measure_block_cost,
-                                        measure_draft_cost, plot_acceptance_per_position, plot_tau_vs_k,
+from drafter.evaluation.offline import (HeldoutAlphas, concat_alphas, conversation_labels, evaluate_with_benchmarks,
+                                        heldout_alphas, with_t1_text,
+                                        measure_block_cost, measure_draft_cost, plot_acceptance_per_position,
+                                        plot_tau_vs_k,
                                         render_markdown)
 from drafter.models.dspark import DSPARK_DIR, capture_layers, load_dspark
 from drafter.models.experts import set_experts
@@ -60,14 +67,40 @@ from drafter.models.target import read_tensor, target_dir
 from drafter.data.windows import load_windows
 
 
-HELDOUT_FEATURES = "heldout-features"  # the user's held-out files captured (removed once loaded)
+HELDOUT_FEATURES = "heldout-features"  # the held-out files captured: t0/, t1/ (removed once loaded)
+
+
+@dataclass
+class _Heldout:
+    """The held-out windows: the built-in split's (`capture`'s), those captured here (``heldout.files``, the
+    benchmarks: answered at T=0, or as written) and, with an `answer_heldout` input, the same sampled at T=1."""
+
+    builtin: list
+    captured: list
+    captured_t1: list | None
+    labels: dict
+    info: dict
+    target: object | None  # the target model when it was loaded and is needed again (the draft cost)
+
+    @property
+    def windows(self) -> list:
+        return self.builtin + self.captured
+
+    def alphas(self, measure) -> tuple[HeldoutAlphas, HeldoutAlphas | None]:
+        """``measure(windows) → HeldoutAlphas`` of the T=0 set, and of the T=1 set (the built-in split's windows
+        are measured once: they are in both)."""
+        b = measure(self.builtin)
+        t1 = concat_alphas(b, measure(self.captured_t1)) if self.captured_t1 is not None else None
+        return concat_alphas(b, measure(self.captured)), t1
 
 
 def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tokens: int,
-             feature_layers: list[int] | tuple[int, ...] = ()):
-    """(windows, labels of their conversations, the record of the held-out set, the target model if it was
-    loaded): the built-in held-out split as `capture` stored it, or the user's ``heldout.files`` captured now."""
+             feature_layers: list[int] | tuple[int, ...] = ()) -> _Heldout:
+    """The built-in held-out split as `capture` stored it, or the user's ``heldout.files`` captured now; with an
+    `answer_heldout` input, its rows (the files' and the benchmarks', answered at T=0 and at T=1) captured now."""
     c = cfg.eval_offline
+    answered = inputs.get("answer_heldout")
+    windows, labels, base = [], {}, None
     if not cfg.heldout.files:
         conv_dir = inputs["scrub"].path / "shards"
         if not list_shards(conv_dir):
@@ -75,24 +108,59 @@ def _heldout(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, min_tok
         rows = list(iter_rows(conv_dir))
         windows = load_windows(inputs["capture"], "heldout", "all", c.window, min_tokens=min_tokens,
                                max_windows=c.max_windows, feature_layers=feature_layers)
-        return windows, conversation_labels(rows), describe_builtin(sum(r.get("split") == "heldout" for r in rows)), None
-    rows, info = user_heldout(cfg)
+        labels, base = conversation_labels(rows), describe_builtin(sum(r.get("split") == "heldout" for r in rows))
+        if answered is None:
+            return _Heldout(windows, [], None, labels, base, None)
+    sets = {}
+    if answered is not None:
+        for t in TEMPERATURES:
+            rows, record = load_answered(answered, t)
+            sets[t] = rows if cfg.heldout.files else [r for r in rows if r.get("benchmark")]
+        info = heldout_record(base, record)
+    else:
+        sets[0.0], info = user_heldout(cfg)
     model_dir = target_dir(inputs["prepare_target"])
     target = load_target_model(model_dir, device=resolve_device(c.device))
-    features = out / HELDOUT_FEATURES
-    cap = capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files", model=target,
-                      serving=cfg.serving)
-    info = record_truncation(info, cap.truncated, cfg.capture.max_seq_len)  # what was cut, in the held-out record
+    got = {}
+    for t, rows in sets.items():
+        got[t], truncated = _capture(cfg, model_dir, target, rows, out / HELDOUT_FEATURES / f"t{t:g}", min_tokens,
+                                     feature_layers, info, None if base else c.max_windows)
+        if t == 0.0:
+            info = record_truncation(info, truncated, cfg.capture.max_seq_len)  # what was cut, in the held-out record
+    shutil.rmtree(out / HELDOUT_FEATURES)
+    # the target stays loaded only when it is needed again (to measure the draft cost)
+    return _Heldout(windows, got[0.0], got.get(1.0), labels | conversation_labels(sets[0.0]), info,
+                    target if c.draft_cost is None else None)
+
+
+def _capture(cfg: ReleaseConfig, model_dir: Path, target, rows: list[dict], features: Path, min_tokens: int,
+             feature_layers, info: dict, max_windows: int | None) -> tuple[list, int]:
+    """The windows of ``rows`` captured as the `capture` stage would (in ``features``, removed once loaded; the
+    benchmarks' windows are not capped by max_windows: each is its own domain) and how many rows were cut."""
+    cap = capture_rows(model_dir, rows, features, cfg.capture, what="eval_offline: capture the held-out files",
+                       model=target, serving=cfg.serving)
     try:
-        windows = load_windows(features, "heldout", "all", c.window, min_tokens=min_tokens, max_windows=c.max_windows,
-                               feature_layers=feature_layers)
+        windows = load_windows(features, "heldout", "all", cfg.eval_offline.window, min_tokens=min_tokens,
+                               max_windows=max_windows, feature_layers=feature_layers)
     except StageError as e:
         raise BadInputError(f"{HELDOUT_SETTING}: no conversation of the {info['text']} has a window of at least "
                             f"{min_tokens} tokens (capture.max_seq_len={cfg.capture.max_seq_len}); add longer "
                             "conversations or lower eval_offline.k_max") from e
     shutil.rmtree(features)
-    # the target stays loaded only when it is needed again (to measure the draft cost)
-    return windows, conversation_labels(rows), info, target if c.draft_cost is None else None
+    return windows, cap.truncated
+
+
+def _evaluate(cfg: ReleaseConfig, held: HeldoutAlphas, held_t1: HeldoutAlphas | None, labels: dict, draft_cost: float,
+              measured: bool, block: bool = False) -> dict:
+    """The eval_offline.json document (:func:`drafter.evaluation.offline.evaluate`), each benchmark measured apart;
+    with ``held_t1`` (the answered conversations sampled at T=1) the T=1 rules measured on it."""
+    c = cfg.eval_offline
+    kw = {"draft_cost": draft_cost, "draft_cost_measured": measured, "samples": c.bootstrap_samples, "seed": c.seed,
+          "confidence": c.confidence, "speed_rule": c.speed_rule, "block": block}
+    res = evaluate_with_benchmarks(held, labels, list(cfg.heldout.benchmarks), **kw)
+    if held_t1 is None:
+        return res
+    return with_t1_text(res, evaluate_with_benchmarks(held_t1, labels, list(cfg.heldout.benchmarks), **kw))
 
 
 def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_start: float) -> Metrics:
@@ -115,7 +183,8 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
     drafts = {name: d.to(device) for name, d in drafts.items()}
     head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
     embed = target_embedding(model_dir).to(device)
-    windows, labels, heldout, target = _heldout(cfg, inputs, out, K + 2, capture_layers(drafts["candidate"].cfg))
+    hs = _heldout(cfg, inputs, out, K + 2, capture_layers(drafts["candidate"].cfg))
+    windows, labels, heldout, target = hs.windows, hs.labels, hs.info, hs.target
     conf = {n: ([], []) for n, d in drafts.items() if d.confidence_head is not None}
 
     def alphas_fn(win):
@@ -128,8 +197,9 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
                 conf[name][1].append(alphas["t0"])
         return res
 
-    with progress("eval_offline", total=len(windows), unit="windows") as bar:
-        held = heldout_alphas(drafts, head, windows, K, on_window=bar.advance, alphas_fn=alphas_fn)
+    with progress("eval_offline", total=len(windows) + len(hs.captured_t1 or []), unit="windows") as bar:
+        held, held_t1 = hs.alphas(lambda ws: heldout_alphas(drafts, head, ws, K, on_window=bar.advance,
+                                                            alphas_fn=alphas_fn))
     if held.positions == 0:
         raise StageError(f"{heldout['text']}: no held-out anchor has a block of {K} assistant tokens "
                          "after it (capture longer conversations)")
@@ -141,11 +211,8 @@ def _run_dspark(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path, t_st
         cost = measure_block_cost(target, drafts["candidate"], embed, head, longest, repeats=c.cost_repeats)
     del target
     draft_cost = cost["ratio"] if cost else c.draft_cost
-    res = evaluate(held, labels, draft_cost=draft_cost, draft_cost_measured=cost is not None,
-                   samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule, block=True)
-    res["windows"] = len(windows)
-    res["heldout"] = heldout
-    res["device"] = device_label(device)
+    res = _evaluate(cfg, held, held_t1, labels, draft_cost, cost is not None, block=True)
+    res |= {"windows": len(windows), "heldout": heldout, "device": device_label(device)}
     if cost:
         res["draft_cost_timing"] = cost
     calibration = {n: reliability(torch.cat(cs), torch.cat(ys)) for n, (cs, ys) in conf.items() if cs}
@@ -241,10 +308,11 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     head = read_tensor(model_dir, "lm_head.weight", torch.float32).to(device)
     loader = _eagle3_drafters if cfg.eagle3.enabled else _mtp_drafters
     drafters, draft_vocab, layers = loader(cfg, inputs, model_dir, device, head)
-    windows, labels, heldout, target = _heldout(cfg, inputs, out, c.k_max + 2, layers)
+    hs = _heldout(cfg, inputs, out, c.k_max + 2, layers)
+    windows, labels, heldout, target = hs.windows, hs.labels, hs.info, hs.target
 
-    with progress("eval_offline", total=len(windows), unit="windows") as bar:
-        held = heldout_alphas(drafters, head, windows, c.k_max, on_window=bar.advance)
+    with progress("eval_offline", total=len(windows) + len(hs.captured_t1 or []), unit="windows") as bar:
+        held, held_t1 = hs.alphas(lambda ws: heldout_alphas(drafters, head, ws, c.k_max, on_window=bar.advance))
     if held.positions == 0:
         raise StageError(f"{heldout['text']}: no held-out position has {c.k_max} assistant tokens "
                          f"after it (lower eval_offline.k_max or capture longer conversations)")
@@ -258,11 +326,8 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     del target
     draft_cost = cost["ratio"] if cost else c.draft_cost
 
-    res = evaluate(held, labels, draft_cost=draft_cost, draft_cost_measured=cost is not None,
-                   samples=c.bootstrap_samples, seed=c.seed, confidence=c.confidence, speed_rule=c.speed_rule)
-    res["windows"] = len(windows)
-    res["heldout"] = heldout
-    res["device"] = device_label(device)
+    res = _evaluate(cfg, held, held_t1, labels, draft_cost, cost is not None)
+    res |= {"windows": len(windows), "heldout": heldout, "device": device_label(device)}
     res["draft_vocab"] = draft_vocab
     if cost:
         res["draft_cost_timing"] = cost
@@ -281,7 +346,8 @@ STAGE = Stage(
     name="eval_offline",
     version="3",  # 2: the held-out set recorded (`heldout`); heldout.files (the user's, captured here);
                   # 3: the fine-tuned drafter measured over its draft vocabulary (train.draft_vocab_size)
-    inputs=("prepare_target", "scrub", "capture", "bootstrap_drafter", "train"),
+    # answer_heldout: only when it is planned (held-out conversations without answers, heldout.benchmarks)
+    inputs=("prepare_target", "scrub", "answer_heldout", "capture", "bootstrap_drafter", "train"),
     # capture: the settings the user's held-out files are captured with; scrub: the rules they are scrubbed with
     sections=("eval_offline", "heldout", "baseline", "dspark", "capture", "scrub", "eagle3"),
     run=run,

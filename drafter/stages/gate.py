@@ -49,5 +49,5 @@ STAGE = Stage(
     sections=("gate",),
     run=run,
     description="Release gate: the candidate's live τ and tok/s vs the baseline's, live vs offline τ, lossless, and the "
-                "released schedule vs no speculation at every concurrency",
+                "released configuration vs no speculation at every concurrency",
 )

@@ -26,8 +26,9 @@ from drafter.core.errors import BadInputError, StageError
 from drafter.core.stage import Artifact, Metrics, Stage
 from drafter.evaluation.gate import GateResult, load_gate
 
-INPUTS = ("prepare_target", "generate", "scrub", "capture", "bootstrap_drafter", "train", "eval_offline",
-          "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
+# answer_heldout: only when it is planned (its key is recorded with the other stages' in the card and release.json)
+INPUTS = ("prepare_target", "generate", "scrub", "answer_heldout", "capture", "bootstrap_drafter", "train",
+          "eval_offline", "quantize_fp8", "verify_fp8", "quantize_exl3", "ab_live", "gate")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
