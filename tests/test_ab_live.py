@@ -29,6 +29,7 @@ from drafter.evaluation.ab_live import (
 )
 from drafter.core.config import AbLiveConfig, ReleaseConfig, ServingConfig
 from drafter.core.errors import StageError
+from drafter.core.stage import Artifact
 from drafter.serving.server import request_timing, spec_decode_counters
 
 DATA = Path(__file__).parent / "data"
@@ -583,6 +584,39 @@ def test_stage_runs_the_matrix_one_server_per_drafter_and_method(tmp_path, monke
     assert "| 1 | candidate | probabilistic | 1.650 | 12.0 | 1.50× |" in md and "servers compiled" in md
 
 
+def test_stage_measures_each_benchmarks_replay_set_apart_at_one_user(tmp_path, monkeypatch):
+    """heldout.benchmarks: the held-out turns are measured as without them; each benchmark's own turns once per
+    server (no speculation, released, fine-tuned at the served K) at 1 user and the gate's temperature."""
+    from drafter.core.files import write_json_atomic, write_jsonl_atomic
+    from drafter.data.benchmarks import benchmark_record
+    from drafter.stages.ab_live import run
+
+    calls, inputs = _fake_engine(monkeypatch, tmp_path)
+    bench = [_row(f"humaneval-{i}", "humaneval", 2) | {"benchmark": "humaneval"} for i in range(3)]
+    write_jsonl_atomic(tmp_path / "answers" / "heldout.jsonl", bench)
+    write_json_atomic(tmp_path / "answers" / "answers.json", {
+        "answered": 3, "kept": 0, "temperature": 0.0, "files": None,
+        "benchmarks": benchmark_record(["humaneval"], {"humaneval": 3})})
+    inputs["answer_heldout"] = Artifact("answer_heldout", "a" * 16, tmp_path / "answers")
+    cfg = ReleaseConfig.model_validate({"ab_live": {"concurrency": [1, 2], "num_turns": 4, "rounds": 1,
+                                                    "temperature": [0, 1], "k_sweep": [1, 2], "schedule": False},
+                                        "heldout": {"benchmarks": ["humaneval"], "benchmark_turns": 2}})
+    out = tmp_path / "out"
+    out.mkdir()
+    m = run(cfg, inputs, out)
+    measured = [c[1:] for c in calls if c[0] == "measure"]
+    assert [x for x in measured if x[3] == 2 and x[2] == 1] == [("none", 0.0, 1, 2), ("baseline-greedy", 0.0, 1, 2),
+                                                                ("candidate-greedy", 0.0, 1, 2)]
+    assert {x[3] for x in measured if x[3] != 2} == {4}  # every other measurement: the 4 held-out turns
+    res = json.loads((out / "ab_live.json").read_text())
+    assert [(b["benchmark"], b["drafter"], b["requests"], b["tau"]) for b in res["benchmarks"]] == [
+        ("humaneval", "none", 2, None), ("humaneval", "baseline", 2, 1.5), ("humaneval", "candidate", 2, 1.5)]
+    assert res["replay"]["turns"] == 4 and res["replay"]["heldout"]["replayed"] == {"humaneval": 2}
+    assert m["tau_live_candidate_humaneval"] == 1.5 and "tau_live_none_humaneval" not in m
+    md = (out / "ab_live.md").read_text()
+    assert "| humaneval | 2 | 10.0 | 1.500 | 12.0 (1.20×) | 1.500 | 15.0 (1.50×) |" in md
+
+
 def test_stage_serves_the_fine_tuned_drafter_with_its_draft_vocabulary_and_the_released_without(tmp_path, monkeypatch):
     from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
     from drafter.stages.ab_live import run
@@ -808,7 +842,7 @@ def test_vllm_cpu_serves_the_schedule(tmp_path, tiny_target):
 
     cfg = ReleaseConfig.model_validate({
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
-        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 3], "num_turns": 3, "rounds": 1, "max_tokens": 12,
+        "ab_live": {"num_speculative_tokens": 2, "concurrency": [1, 3], "num_turns": 3, "rounds": 1, "max_tokens": 64,
                     "draft_sample_methods": ["greedy"], "temperature": [0]}})
     c = cfg.ab_live
     turns = [ReplayTurn(f"conv-{i}", "agent", 1, [{"role": "user", "content": f"Count to {i + 3}."}]) for i in range(3)]

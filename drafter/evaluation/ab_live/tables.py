@@ -131,6 +131,32 @@ def sweep_markdown(result: AbLiveResult | dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def benchmark_markdown(result: AbLiveResult | dict, names: dict[str, str] | None = None) -> str:
+    """Markdown: each benchmark's own replay set at 1 user (``benchmarks``): turns, no speculation's tok/s, the
+    released and the fine-tuned drafter's live τ and tok/s (× no speculation); ``names``: a benchmark's title.
+    Empty without benchmarks."""
+    ab = as_ab_live(result)
+    if not ab.benchmarks:
+        return ""
+    by: dict[str, dict[str, dict]] = {}
+    for r in ab.benchmarks:
+        by.setdefault(r["benchmark"], {})[r["drafter"]] = r
+    t, k = ab.benchmarks[0]["temperature"], ab.num_speculative_tokens
+    lines = [f"Live, each benchmark's own replay set at 1 user (T={t:g}, K={k}):", "",
+             "| benchmark | turns | no speculation tok/s | released τ | released tok/s | fine-tuned τ | fine-tuned tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, d in by.items():
+        none = (d.get("none") or {}).get("tok_s")
+        cells = [(names or {}).get(name, name), str((d.get("candidate") or d.get("none") or {}).get("requests", "—")),
+                 _f(none, ".1f")]
+        for who in ("baseline", "candidate"):
+            r = d.get(who) or {}
+            tok = r.get("tok_s")
+            cells += [_f(r.get("tau"), ".3f"), _f(tok, ".1f") + (f" ({tok / none:.2f}×)" if tok and none else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def ab_table(result: AbLiveResult | dict, concurrency: list[int]) -> str:
     """Markdown: per temperature, drafter and draft sampling, live τ, tok/s and speedup vs no speculation (at the
     same temperature) at each concurrency, per-request latency p50; then the lossless check and what was not
@@ -141,6 +167,8 @@ def ab_table(result: AbLiveResult | dict, concurrency: list[int]) -> str:
     lines = _speed_table(s, rows, concurrency) + _server_table(s, rows, concurrency)
     sweep = sweep_markdown(ab)
     lines += (["", "The sweep and the released schedule:", "", sweep.rstrip("\n")] if sweep else [])
+    bench = benchmark_markdown(ab)
+    lines += (["", bench.rstrip("\n")] if bench else [])
     return "\n".join(lines + [""] + _notes(ab, s, rows)) + "\n"
 
 
