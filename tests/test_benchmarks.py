@@ -129,6 +129,32 @@ def test_the_demo_configs_plan_no_answering_stage():
     assert {s: keys[s] for s in ("generate", "capture", "train")} == {s: demo[s] for s in ("generate", "capture", "train")}
 
 
+def test_overlong_prompts_to_answer_are_refused_before_any_stage(tmp_path, tiny_target):
+    """A prompt-only held-out file's conversation, or a benchmark problem, whose prompt cannot fit
+    serving.max_model_len − generate.max_tokens is refused in preflight (file:line, or the problem named with
+    the settings to change), on an empty store: no stage ran, no server started."""
+    import re
+
+    from tests.test_bad_input import stage_outputs
+
+    held = jsonl(tmp_path / "held.jsonl", {"id": "ok", "messages": [user("Short?")]},
+                 {"id": "long", "messages": [user("word " * 300)]})
+    store = tmp_path / "store"
+    c = write_config(tmp_path, tiny_target, serving={"max_model_len": 256},
+                     generate={"num_prompts": 8, "max_tokens": 16}, heldout={"files": [str(held)]})
+    line = assert_bad(cli("release", "-c", c, "--stage", "answer_heldout"), f"{held}:2", "more than the 240",
+                      "serving.max_model_len=256", "generate.max_tokens=16", "shorten or drop", code=2, store=store)
+    assert int(re.search(r"prompt has (\d+) tokens", line).group(1)) > 300 and "word word" not in line
+    assert stage_outputs(store) == []
+    # a HumanEval problem longer than the context: named by its problem, nothing to edit in it
+    c = write_config(tmp_path, tiny_target, "he.yaml", serving={"max_model_len": 256},
+                     generate={"num_prompts": 8, "max_tokens": 200}, heldout={"benchmarks": ["humaneval"]})
+    line = assert_bad(cli("release", "-c", c, "--stage", "answer_heldout"), "prompt humaneval-0",
+                      "HumanEval.jsonl.gz HumanEval/", "more than the 56", "a built-in prompt: nothing to edit",
+                      code=2, store=store)
+    assert stage_outputs(store) == []
+
+
 # ------------------------------------------------------------------------------------- never trained on
 
 

@@ -105,6 +105,24 @@ def plan_conversations(cfg: "ReleaseConfig") -> tuple[list[Conversation], list[C
     return todo, kept, benchmark_prompts(cfg)
 
 
+def check_answer_lengths(cfg: "ReleaseConfig", tokenizer, sent: list[Conversation] | None = None) -> int:
+    """Refuse (:class:`BadInputError`) a conversation to answer whose prompt cannot fit the server's context
+    (``serving.max_model_len − generate.max_tokens`` tokens with the target's chat template), naming the file:line
+    or the benchmark's problem, before a server starts. ``sent``: the scrubbed conversations to answer (None: the
+    plan's). Returns the longest prompt, in tokens."""
+    from drafter.data.generate import check_prompt_lengths
+    from drafter.data.scrub import scrub_conversations, scrubber_for
+
+    if sent is None:
+        todo, _, bench = plan_conversations(cfg)
+        sent, _, _ = scrub_conversations(todo + bench, scrubber_for(cfg.scrub))
+    # a benchmark's prompt is nothing to edit: named by its problem, with the settings to change
+    named = [dataclasses.replace(c, id=f"{c.id} ({c.origin})", origin=None) if c.domain in cfg.heldout.benchmarks
+             and c.id.startswith(f"{c.domain}-") else c for c in sent]
+    return check_prompt_lengths(named, tokenizer, [MODE], max_model_len=cfg.serving.max_model_len,
+                                max_tokens=cfg.generate.max_tokens)
+
+
 def answer(cfg: "ReleaseConfig", model_dir: Path, out: Path, log=print) -> dict:
     """Answer what :func:`plan_conversations` says with the served target into ``out``: ``heldout.jsonl`` (at
     T=0), ``heldout-t1.jsonl`` (sampled at T=1, seeded), ``answers.json`` and ``server.log``; one vLLM server
@@ -113,7 +131,7 @@ def answer(cfg: "ReleaseConfig", model_dir: Path, out: Path, log=print) -> dict:
 
     from drafter.core.files import write_json_atomic, write_jsonl_atomic
     from drafter.data.benchmarks import benchmark_record
-    from drafter.data.generate import backend_factory
+    from drafter.data.generate import backend_factory, load_tokenizer
     from drafter.data.scrub import scrub_conversations, scrubber_for
 
     todo, kept, bench = plan_conversations(cfg)
@@ -122,6 +140,7 @@ def answer(cfg: "ReleaseConfig", model_dir: Path, out: Path, log=print) -> dict:
     if not sent:
         raise StageError(f"{STAGE}: nothing to answer (every conversation of {SETTING} has its answers, no "
                          "heldout.benchmarks); the stage is planned only when something is to be answered")
+    check_answer_lengths(cfg, load_tokenizer(model_dir), sent)  # before a server starts
     log(f"{STAGE}: {len(todo)} held-out and {len(bench)} benchmark conversations answered at T=0 and T=1 by "
         f"{cfg.serving.backend}")
     names = {c.id: c.domain for c in bench}

@@ -52,6 +52,7 @@ line naming the file:line, key or value at fault and what to do.
      the limit; the generate stage repeats this check itself before it starts a server);
    * when `ab_live` is to run on ``heldout.files`` (vLLM): every turn it replays must fit
      ``serving.max_model_len − ab_live.max_tokens`` tokens (:func:`drafter.data.heldout.check_replay_lengths`);
+   * when `answer_heldout` is to run: its prompts, as generate's (:func:`drafter.data.heldout_answers.check_answer_lengths`);
    * when `eval_offline` is to run on ``heldout.files``: conversations longer than ``capture.max_seq_len``
      are measured on their first ``max_seq_len`` tokens, as capture cuts every conversation (the setting's
      documented behaviour): not refused, but counted in ``PreflightReport.heldout_truncation`` and said in
@@ -96,7 +97,7 @@ class PreflightReport:
     todo: list[str]  # the needed stages whose output is not in the store yet
     prompts: int = 0
     heldout: int = 0
-    longest_prompt: int | None = None  # tokens, when the lengths were checked
+    longest_prompt: int | None = None  # tokens (generate's and answer_heldout's prompts), when the lengths were checked
     longest_replay: int | None = None  # tokens of the longest prompt ab_live replays from heldout.files, when checked
     # heldout.files vs capture.max_seq_len, when eval_offline is to run on them and the tokenizer was at hand
     # (drafter.data.heldout.count_truncated: conversations, truncated, unmeasured, longest, longest_origin, max_seq_len)
@@ -490,13 +491,15 @@ def _check_lengths(cfg: ReleaseConfig, convs: list, heldout: list | None, todo: 
     gen = "generate" in todo
     replay = heldout is not None and "ab_live" in todo and cfg.serving.backend == "vllm"
     cut = heldout is not None and "eval_offline" in todo
-    if not (gen or replay or cut):
+    answer = "answer_heldout" in todo
+    if not (gen or replay or cut or answer):
         return
     tok, template, why = _target_tokenizer(cfg, target_art)
     if tok is None:
         if why:
             what = [w for w, on in (("the prompts (generate)", gen), ("the held-out replays (ab_live)", replay),
-                                    ("the held-out conversations (eval_offline)", cut)) if on]
+                                    ("the held-out conversations (eval_offline)", cut),
+                                    ("the prompts to answer (answer_heldout)", answer)) if on]
             report.notes.append(f"token lengths of {' and '.join(what)} not checked before the first stage: {why}")
         return
     from drafter.data.scrub import scrub_conversations, scrubber_for
@@ -509,6 +512,10 @@ def _check_lengths(cfg: ReleaseConfig, convs: list, heldout: list | None, todo: 
         sent, _, _ = scrub_conversations(convs, scrubber)  # what the stage sends
         report.longest_prompt = check_prompt_lengths(sent, tok, modes, max_model_len=cfg.serving.max_model_len,
                                                      max_tokens=cfg.generate.max_tokens)
+    if answer:
+        from drafter.data.heldout_answers import check_answer_lengths
+
+        report.longest_prompt = max(report.longest_prompt or 0, check_answer_lengths(cfg, tok))
     if replay or cut:
         from drafter.data.heldout import check_replay_lengths, count_truncated, describe_truncation
 
