@@ -60,7 +60,7 @@ def load_heldout(files: list[str]) -> list[Conversation]:
     convs: list[Conversation] = []
     seen: dict[str, Conversation] = {}
     for f in files:
-        for c in load_user_file(f, heldout_fraction=1.0, keep_answers="optional", setting=SETTING):
+        for c in load_user_file(f, heldout_fraction=1.0, keep_answers=True, setting=SETTING):
             if c.split != "heldout":
                 raise BadInputError(f"{c.origin}: `split` is {c.split!r}, but every conversation of a held-out file "
                                     f"({SETTING}) is held out; remove the field, or move the row to generate.user_files")

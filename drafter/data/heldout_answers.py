@@ -116,9 +116,12 @@ def check_answer_lengths(cfg: "ReleaseConfig", tokenizer, sent: list[Conversatio
     if sent is None:
         todo, _, bench = plan_conversations(cfg)
         sent, _, _ = scrub_conversations(todo + bench, scrubber_for(cfg.scrub))
+    from drafter.data.benchmarks import BENCHMARKS
+
     # a benchmark's prompt is nothing to edit: named by its problem, with the settings to change
-    named = [dataclasses.replace(c, id=f"{c.id} ({c.origin})", origin=None) if c.domain in cfg.heldout.benchmarks
-             and c.id.startswith(f"{c.domain}-") else c for c in sent]
+    shipped = {f"{b.module}/{b.resource}" for b in BENCHMARKS.values()}
+    named = [dataclasses.replace(c, id=f"{c.id} ({c.origin})", origin=None) if c.source in shipped else c
+             for c in sent]
     return check_prompt_lengths(named, tokenizer, [MODE], max_model_len=cfg.serving.max_model_len,
                                 max_tokens=cfg.generate.max_tokens)
 

@@ -23,7 +23,8 @@ User files (JSONL or Parquet) hold one conversation per row in a ``messages`` co
 optionally ``id``, ``domain`` and ``split`` (``train``/``heldout``). Rows without ``split`` are
 split by a hash of their id (the id defaults to a hash of the messages, so it does not depend on
 the file name or row order). Read with ``keep_answers=True`` (the user's held-out files,
-:mod:`drafter.data.heldout`), the assistant turns are kept as written: they are the text evaluated.
+:mod:`drafter.data.heldout`), the assistant turns are kept as written: they are the text evaluated (a missing or
+empty one stays a placeholder, answered by the served target: :mod:`drafter.data.heldout_answers`).
 
 Example::
 
@@ -144,10 +145,10 @@ def _builtin_split(seed: int, domain: str, j: int, fraction: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize_messages(msgs: Any, where: str, keep_answers: bool | str = False) -> tuple[dict, ...]:
+def _normalize_messages(msgs: Any, where: str, keep_answers: bool = False) -> tuple[dict, ...]:
     """Validate user messages; assistant contents become placeholders (they are regenerated), or, with
-    ``keep_answers``, stay as written (each must be a non-empty string: the answer evaluated); with
-    ``keep_answers="optional"`` a missing or empty answer is a placeholder (the served target gives it)."""
+    ``keep_answers``, stay as written where they are given (a missing or empty answer is a placeholder: the
+    served target gives it). A last user turn gets a placeholder answer after it."""
     if not isinstance(msgs, list) or not msgs:
         raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
     out: list[dict] = []
@@ -166,26 +167,18 @@ def _normalize_messages(msgs: Any, where: str, keep_answers: bool | str = False)
                 raise BadInputError(f"{where}: messages[{i}].content ({role}) must be a non-empty string, got {_short(content)}")
             out.append({"role": role, "content": content})
         else:
-            if keep_answers is True and (not isinstance(content, str) or not content.strip()):
-                raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a non-empty string, got "
-                                    f"{_short(content)}; held-out conversations are evaluated as written, so give "
-                                    "each assistant turn its answer (or drop the turn)")
             if content is not None and not isinstance(content, str):
                 raise BadInputError(f"{where}: messages[{i}].content (assistant) must be a string or null, got {_short(content)}")
             if out and out[-1]["role"] == "assistant":
                 raise BadInputError(f"{where}: messages[{i}] is a second assistant message in a row")
             if not out or out[-1]["role"] == "system":
                 raise BadInputError(f"{where}: messages[{i}] is an assistant message before any user message")
-            if keep_answers == "optional" and isinstance(content, str) and not content.strip():
+            if keep_answers and isinstance(content, str) and not content.strip():
                 content = None  # an empty answer: to be given by the served target
             out.append({"role": "assistant", "content": content if keep_answers else None})
     if not any(m["role"] == "user" for m in out):
         raise BadInputError(f"{where}: the conversation has no user message")
-    if keep_answers is True:
-        if not any(m["role"] == "assistant" for m in out):
-            raise BadInputError(f"{where}: the conversation has no assistant answer to evaluate; add the answers "
-                                "(held-out conversations are evaluated as written)")
-    elif out[-1]["role"] != "assistant":
+    if out[-1]["role"] != "assistant":
         out.append({"role": "assistant", "content": None})  # answer the last user turn too
     return tuple(out)
 
@@ -207,7 +200,7 @@ def _name_shown(v: Any) -> str:
 
 
 def _user_row(row: Any, where: str, heldout_fraction: float, source: str,
-              keep_answers: bool | str = False) -> Conversation:
+              keep_answers: bool = False) -> Conversation:
     if not isinstance(row, dict):
         raise BadInputError(f"{where}: each row must be an object with a `messages` list, got {_short(row)}")
     if "messages" not in row:
@@ -240,7 +233,7 @@ def placeholder_answers(messages: Iterable[dict]) -> list[dict]:
     return out
 
 
-def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_answers: bool | str = False,
+def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_answers: bool = False,
                    setting: str = "generate.user_files") -> list[Conversation]:
     """Conversations from a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
@@ -248,8 +241,8 @@ def load_user_file(path: str | Path, *, heldout_fraction: float = 0.125, keep_an
     string); optional ``id``, ``domain``, ``split``. Bad rows raise :class:`BadInputError` (a
     :class:`StageError`) naming the file, the line (JSONL) or row (Parquet), and the problem; each
     conversation's ``origin`` is that same ``file:line`` / ``file row N``. ``keep_answers``: the
-    assistant turns are kept as written (each must have its text) instead of becoming placeholders
-    (``"optional"``: kept where written, placeholders where missing or empty, one after a last user turn);
+    assistant turns are kept where written instead of becoming placeholders (placeholders where missing or
+    empty, one after a last user turn);
     ``setting`` is the config field the file came from, named in errors.
     """
     path = Path(path).expanduser()

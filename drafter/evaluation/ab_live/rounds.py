@@ -175,12 +175,13 @@ def _measures_benchmarks(drafter: str, method: str | None, temps: list[float], t
 def _benchmark_runs(c: "AbLiveConfig", srv, bench: dict[str, list[ReplayTurn]], drafter: str, method: str | None,
                     temperature: float, spec: dict | None, m: Measured, bar) -> None:
     """Each benchmark's replay set on one server at 1 user (live τ and tok/s per benchmark)."""
+    k = spec["num_speculative_tokens"] if spec else 0
     for name, bturns in bench.items():
-        r = measure(srv, bturns, concurrency=1, max_tokens=c.max_tokens, temperature=temperature,
-                    k=spec["num_speculative_tokens"] if spec else 0, timeout_s=c.request_timeout_s)
+        r = measure(srv, bturns, concurrency=1, max_tokens=c.max_tokens, temperature=temperature, k=k,
+                    timeout_s=c.request_timeout_s)
         r.pop("token_ids")
         m.benchmarks.append({"benchmark": name, "drafter": drafter, "draft_sample_method": method,
-                             "temperature": temperature, "k": spec["num_speculative_tokens"] if spec else 0, **r})
+                             "temperature": temperature, "k": k, **r})
         bar.advance(1)
         log.info("ab_live %s on %s: %.1f tok/s, τ %s", drafter, name, r["tok_s"], r["tau"])
 
