@@ -198,12 +198,14 @@ def test_vllm_cpu_serves_the_schedule_with_an_eagle3_head(tmp_path):
 
     _serving_env()
     inputs, _ = _inputs(tmp_path)
+    # 9 turns of up to 128 tokens with 3 in flight: three requests share a batch for most of the replay, however their
+    # arrivals interleave on a loaded machine (3 turns of 12 tokens could each finish before the next joined: no drafts)
     cfg = ReleaseConfig.model_validate({
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
         "eagle3": {"enabled": True},
-        "ab_live": {"method": "eagle3", "num_speculative_tokens": 2, "concurrency": [1, 3], "num_turns": 3,
-                    "rounds": 1, "max_tokens": 12, "draft_sample_methods": ["greedy"], "temperature": [0]}})
-    turns = [ReplayTurn(f"conv-{i}", "agent", 1, [{"role": "user", "content": f"Count to {i + 3}."}]) for i in range(3)]
+        "ab_live": {"method": "eagle3", "num_speculative_tokens": 2, "concurrency": [1, 3], "num_turns": 9,
+                    "rounds": 1, "max_tokens": 128, "draft_sample_methods": ["greedy"], "temperature": [0]}})
+    turns = [ReplayTurn(f"conv-{i}", "agent", 1, [{"role": "user", "content": f"Count to {i + 3}."}]) for i in range(9)]
     m = Measured(version="0.32")
     sweep = {1: {0: 14.0, 2: 10.0}, 3: {0: 20.0, 2: 30.0}}  # K=2 costs at 1 user and pays at 3
     m.runs = [{"drafter": "none" if k == 0 else "candidate", "draft_sample_method": None if k == 0 else "greedy",
@@ -219,5 +221,5 @@ def test_vllm_cpu_serves_the_schedule_with_an_eagle3_head(tmp_path):
     assert sc["served"] is True and sc["ranges"] == [[1, 2, 0], [3, 3, 2], [4, 1024, 0]], sc
     assert sc["speculative_config"]["method"] == "eagle3" and sc["speculative_config"]["model"] == str(heads["candidate"])
     runs = {r["concurrency"]: r for r in m.runs if r["drafter"] == "schedule"}
-    assert runs[1]["requests"] == 3 and runs[1]["num_drafts"] == 0, runs[1]  # a batch of one: never speculates
+    assert runs[1]["requests"] == 9 and runs[1]["num_drafts"] == 0, runs[1]  # a batch of one: never speculates
     assert runs[3]["num_drafts"] > 0 and runs[3]["num_draft_tokens"] == 2 * runs[3]["num_drafts"], runs[3]
