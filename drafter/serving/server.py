@@ -43,6 +43,7 @@ from drafter.core import procs
 from drafter.core.config import ServingConfig
 from drafter.core.errors import DrafterError
 from drafter.core.urls import redact_url
+from drafter.serving.vllm_fixes import COMPILE_MTP_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -264,9 +265,6 @@ def docker_command(
     cmd += vllm_args(CONTAINER_MODEL_DIR, serving, served_model_name=served_model_name, host="0.0.0.0",
                      port=CONTAINER_PORT, speculative_config=speculative_config)
     return cmd
-
-
-COMPILE_MTP_ENV = "DRAFTER_COMPILE_MTP"  # drafter/serving/vllm_fixes.py: compile_glm4_moe_mtp
 
 
 def _server_env_overrides(serving: ServingConfig) -> dict[str, str]:

@@ -27,6 +27,7 @@ This module imports neither vLLM nor torch at import time.
 from __future__ import annotations
 
 FIXED_MARK = "_drafter_fixed"
+COMPILE_MTP_ENV = "DRAFTER_COMPILE_MTP"  # "1": compile_glm4_moe_mtp applies (drafter.serving.server sets it)
 
 
 def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -167,7 +168,7 @@ def register() -> None:
     try:
         import os
 
-        if os.environ.get("DRAFTER_COMPILE_MTP") == "1":  # set by drafter.serving.server for compiled servers only
+        if os.environ.get(COMPILE_MTP_ENV) == "1":  # set by drafter.serving.server for compiled servers only
             compile_glm4_moe_mtp()
     except Exception as e:  # never break vLLM's start: the drafter then runs eager, as vLLM 0.32 ships it
         import logging
@@ -283,9 +284,8 @@ def compile_glm4_moe_mtp() -> bool:
     eager beside a compiled target. On the embedded target's MoE MTP layer the eager forward, in Python dispatch, cost
     about twice the compiled one per draft pass (2 cores). ``--enforce-eager`` servers stay eager (the decorator
     checks the compilation mode). :func:`register` applies it only where ``DRAFTER_COMPILE_MTP=1``, which the project's
-    servers set when they are compiled: an eager server keeps vLLM's class untouched (with it decorated, an eager
-    server of a batch-size schedule drafted nothing in a test session). Idempotent; a vLLM whose class is already compiled, or without it, is left alone.
-    True when the class is compiled afterwards."""
+    servers set when they are compiled, so an eager server keeps vLLM's class as shipped. Idempotent; a vLLM whose
+    class is already compiled, or without it, is left alone. True when the class is compiled afterwards."""
     try:
         from vllm.compilation.decorators import support_torch_compile
         from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
