@@ -6,7 +6,8 @@
 What it runs, each on the CPU (the reference) and on the GPU, from the same seeded weights and windows:
 
 * ``mtp``       the MTP step (``window_loss``, lk_hybrid, K = 1..3, whole vocabulary and a draft vocabulary) in
-                float32: the loss difference, and the bf16-autocast training step's tokens/s and peak memory;
+                float32: the loss difference, and the bf16-autocast training step's tokens/s and peak memory
+                (``train()``'s: a micro batch of 4 windows of 256 as one batch; one window at a time beside it);
 * ``train``     ``train()`` itself for a few steps including its held-out checks: the loss history and τ;
 * ``dspark``    the DSpark block step (``block_loss`` with the confidence head) and ``block_acceptance``;
 * ``fp8``       block FP8 of one 7168×2048 bf16 tensor under both scale rules: differing scale and E4M3 bytes;
@@ -16,9 +17,12 @@ What it runs, each on the CPU (the reference) and on the GPU, from the same seed
                 GPU ranks when there are two GPUs), gradients averaged equal the one-process average.
 
 Without a CUDA device (and without ``--dry-run``) it stops at once with the reason and exit code 3: the
-boundary. With ``--out DIR`` (default ``$OUT`` when set) it writes ``gpu_check.json`` and ``gpu_check.md``.
+boundary. With ``--out DIR`` (default ``$OUT`` when set) it writes ``gpu_check.json``, ``gpu_check.md`` and
+``profile-*.txt`` (one more demo-size and V3-size step under torch.profiler: kernels by GPU time, launch count).
 Criteria (issue 32): losses within 1e-4 in float32, FP8 bytes identical, the V3 step's peak within 15 % of the
-plan. A check that cannot run says why in its row; the exit code is 1 when any criterion fails.
+plan; on a GPU also issue 36's bars: the demo-size step ≥ 10,000 tokens/s, the V3-size step ≥ 10,000 tokens/s
+at window 2048 with peak ≤ 40 GiB. A check that cannot run says why in its row; the exit code is 1 when any
+criterion fails.
 """
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ sys.path.insert(0, str(ROOT))
 LOSS_TOL = 1e-4
 PEAK_TOL = 0.15
 BOUNDARY_EXIT = 3
+# issue 36's bars on a GPU: the demo-size step and the DeepSeek-V3-size step (window 2048) in tokens/s, its peak
+DEMO_STEP_BAR = 10_000
+V3_STEP_BAR, V3_PEAK_BAR_GIB = 10_000, 40.0
+PROFILE_DIR: Path | None = None  # where profile_step writes its tables (main sets it: --out, or $OUT)
 
 # the demo target's shape (SmolLM2-135M re-expressed as GLM-4-MoE with one MTP layer): no weights needed
 DEMO = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -127,6 +135,23 @@ def train_cfg(**kw):
     return TrainConfig(**(base | kw))
 
 
+def profile_step(name: str, step_fn, params, device: torch.device) -> None:
+    """One more training step under torch.profiler: its kernels by GPU time and the launch count, written to
+    ``PROFILE_DIR/profile-{name}.txt`` — what a failing speed bar is spent on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(params, lr=1e-6)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        one_step(step_fn, opt, device)
+    events = prof.key_averages()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    (PROFILE_DIR / f"profile-{name}.txt").write_text(
+        f"{name}: one step, {kernels} GPU kernels\n\n" + events.table(sort_by=sort, row_limit=30, max_name_column_width=70))
+
+
 def timed_steps(step_fn, params, device: torch.device, steps: int, lr: float) -> float:
     """Median seconds of ``steps`` training steps (after one warm-up): ``step_fn()`` → loss under bf16
     autocast on ``device``, backward, AdamW; the peak memory counts from here."""
@@ -136,14 +161,19 @@ def timed_steps(step_fn, params, device: torch.device, steps: int, lr: float) ->
     for _ in range(steps + 1):
         sync(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = step_fn()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
+        one_step(step_fn, opt, device)
         times.append(time.perf_counter() - t0)
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def one_step(step_fn, opt, device: torch.device) -> None:
+    """``step_fn()`` → loss under bf16 autocast on ``device``, backward, ``opt`` step; waits for the device."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = step_fn()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -151,7 +181,7 @@ def timed_steps(step_fn, params, device: torch.device, steps: int, lr: float) ->
 
 def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
     from drafter.training import losses as L
-    from drafter.training.loop import VocabHead, window_loss
+    from drafter.training.loop import VocabHead, batch_loss, window_loss
 
     rows = []
     cpu = torch.device("cpu")
@@ -180,23 +210,32 @@ def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
             c.compare = f"|Δloss| {abs(lc - lg):.2e}, eh_proj grad rel {gdiff:.2e}"
             c.ok = abs(lc - lg) <= LOSS_TOL and gdiff <= 1e-3
             rows.append(c)
-    # the training step's speed: bf16 autocast, AdamW, as train() runs it
-    c = Check(f"mtp step bf16 K=2 draft vocab, window {len(win.input_ids)}")
+    # the training step's speed: bf16 autocast, AdamW, as train() runs it (a micro batch of 4 windows as one batch)
+    mb, T = 4, len(win.input_ids)
+    wins = random_windows(mb, T, V, H, seed=11)
+    c = Check(f"mtp step bf16 K=2 draft vocab, micro batch {mb} × window {T}")
     res = []
-    for dev in (cpu, gpu):
+    for n_dev, dev in enumerate((cpu, gpu)):
         d = copy.deepcopy(base).to(dev)
         hw = head.to(dev)
         vh = VocabHead.of(ids.to(dev), hw)
-        cfg = train_cfg(k_steps=2)
+        cfg = train_cfg(k_steps=2, micro_batch=mb)
         weights = L.position_weights(2, cfg.gamma).to(dev)
         params = [p for n, p in d.named_parameters() if not n.startswith("embed_tokens")]
-        w = win.to(dev)
-        step = timed_steps(lambda: window_loss(d, hw, w, cfg, weights, vocab=vh)[0], params, dev, steps, lr=1e-4)
-        res.append((len(win.input_ids) / step, peak_gib(dev)))
-    c.cpu = f"{res[0][0]:,.0f} tok/s"
-    tps, peak = res[1]
-    c.gpu = f"{tps:,.0f} tok/s" + (f", peak {peak:.2f} GiB" if peak is not None else "")
-    c.compare = f"{tps / res[0][0]:.1f}× the CPU"
+        ws = [w.to(dev) for w in wins]
+        one = timed_steps(lambda: window_loss(d, hw, ws[0], cfg, weights, vocab=vh)[0], params, dev, steps, lr=1e-4)
+        step = timed_steps(lambda: batch_loss(d, hw, ws, cfg, weights, vocab=vh)[0], params, dev, steps, lr=1e-4)
+        res.append((T / one, mb * T / step, peak_gib(dev)))
+        if n_dev == 1 and PROFILE_DIR:  # the GPU's step (the dry run's second CPU pass)
+            profile_step(f"demo-step-micro-batch-{mb}", lambda: batch_loss(d, hw, ws, cfg, weights, vocab=vh)[0],
+                         params, dev)
+    c.cpu = f"{res[0][1]:,.0f} tok/s (one window at a time {res[0][0]:,.0f})"
+    _, tps, peak = res[1]
+    c.gpu = f"{tps:,.0f} tok/s (one window at a time {res[1][0]:,.0f})" + (f", peak {peak:.2f} GiB" if peak is not None else "")
+    c.compare = f"{tps / res[0][1]:.1f}× the CPU"
+    if gpu.type == "cuda":  # issue 36's bar for the demo-size step
+        c.compare += f"; bar ≥ {DEMO_STEP_BAR:,} tok/s"
+        c.ok = tps >= DEMO_STEP_BAR
     rows.append(c)
     return rows
 
@@ -354,10 +393,15 @@ def check_v3(gpu: torch.device, dry: bool, window: int, steps: int) -> list[Chec
     c.cpu = f"{n_all / 1e9:.2f} B params, {n_train / 1e6:.1f} M trainable, experts {experts}; plan {planned:.2f} GiB"
     c.gpu = f"{window / step:,.0f} tok/s" + (f", peak {peak:.1f} GiB" if peak is not None else "")
     if peak is not None:
-        c.compare = f"measured/plan {peak / planned:.2f}"
-        c.ok = abs(peak / planned - 1) <= PEAK_TOL
+        tps = window / step
+        c.compare = (f"measured/plan {peak / planned:.2f}; bars (issue 36, window 2048): ≥ {V3_STEP_BAR:,} tok/s, "
+                     f"peak ≤ {V3_PEAK_BAR_GIB:.0f} GiB")
+        c.ok = abs(peak / planned - 1) <= PEAK_TOL and tps >= V3_STEP_BAR and peak <= V3_PEAK_BAR_GIB
     else:
         c.compare = "no GPU peak on the CPU"
+    if PROFILE_DIR:
+        profile_step(f"v3-step-window-{window}", lambda: window_loss(d, head, w, cfg, weights)[0],
+                     [p for p in d.parameters() if p.requires_grad], gpu)
     return [c]
 
 
@@ -463,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     if why and not args.dry_run:
         print(f"gpu_check: stopping at the boundary: {why}", file=sys.stderr)
         return BOUNDARY_EXIT
+    global PROFILE_DIR
+    PROFILE_DIR = args.out
     gpu = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     exact_float32(gpu)
     shape = DRY if args.dry_run else DEMO

@@ -48,3 +48,9 @@ def test_dry_run_runs_every_check(tmp_path):
     fp8 = [r for r in res["rows"] if r["check"].startswith("fp8")]
     assert all(r["compare"].startswith("0 scales, 0 bytes differ") for r in fp8), fp8
     assert "| check | CPU | GPU | comparison | result |" in (tmp_path / "gpu_check.md").read_text()
+    step = next(r for r in res["rows"] if r["check"].startswith("mtp step bf16"))
+    assert "micro batch 4 × window 64" in step["check"] and "one window at a time" in step["gpu"]
+    assert "bar" not in step["compare"] and step["result"] == "—"  # issue 36's bars are a GPU's, not a dry run's
+    for name in ("profile-demo-step-micro-batch-4.txt", "profile-v3-step-window-128.txt"):
+        text = (tmp_path / name).read_text()
+        assert text.startswith(name[8:-4] + ": one step, 0 GPU kernels") and "aten::mm" in text, text[:500]

@@ -1,6 +1,6 @@
 """The house rules of the code base (issue 34), checked on the source itself.
 
-* the demo's stage keys are those recorded (tests/data/demo_plan_keys.json; issue 35 changed ab_live, gate and publish on purpose): a refactoring
+* the demo's stage keys are those recorded (tests/data/demo_plan_keys.json; issue 35 changed ab_live, gate and publish on purpose, issue 36 train and bootstrap_drafter): a refactoring
   that changes a key would recompute finished outputs;
 * no module of the library over 600 lines, no function over 80 lines outside bench/;
 * layers: the library never imports Prefect or the orchestration; only drafter_prefect imports Prefect; the

@@ -24,7 +24,7 @@ from drafter.models.dspark import DSparkConfig, DSparkDraft
 from drafter.models.target import glm4_moe_mtp_config
 from drafter.training import losses as L
 from drafter.training.dspark import block_loss
-from drafter.training.loop import VocabHead, train, window_loss
+from drafter.training.loop import VocabHead, batch_loss, train, window_loss
 from tests.helpers.meta_device import MetaValues
 
 META = torch.device("meta")
@@ -130,6 +130,32 @@ def test_window_loss_and_backward_on_meta(k, loss, fused, vocab):
         assert out.device == META and out.requires_grad and len(stats) == k
         out.backward()
     assert_meta_grads(drafter)
+
+
+@pytest.mark.parametrize("loss", ["lk_hybrid", "ce_l1"])
+def test_batch_loss_on_meta(loss):
+    """A micro batch of three windows as one [3, T] batch: the row weights, the per-window counts and the
+    target rows are made on the model's device."""
+    drafter, head = mtp_drafter(), meta_head()
+    cfg = cfg_for(loss, 2)
+    with MetaValues():
+        out, stats = batch_loss(drafter, head, windows(3), cfg, L.position_weights(2, cfg.gamma),
+                                vocab=VocabHead.of(list(range(0, V, 2)), head))
+        assert out.device == META and out.requires_grad and len(stats) == 2
+        out.backward()
+    assert_meta_grads(drafter)
+
+
+@pytest.mark.parametrize("where", ["meta", "cpu"], ids=["windows-on-meta", "windows-on-cpu"])
+def test_train_micro_batch_on_meta(tmp_path, where):
+    """train() with micro_batch 2: each micro batch's two windows run as one batch on the model's device."""
+    drafter, head = mtp_drafter(), meta_head()
+    wins = windows(5, device=torch.device(where))
+    with MetaValues():
+        res = train(drafter, head, wins[:4], wins[4:], cfg_for("lk_hybrid", 2, micro_batch=2, grad_accum=2), tmp_path,
+                    log=lambda *_: None)
+    assert [h["step"] for h in res["history"]] == [1, 2] and res["tokens"] == 2 * 4 * T
+    assert all(p.device == META for p in drafter.parameters())
 
 
 def test_window_loss_chained_layers_on_meta():

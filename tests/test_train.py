@@ -160,6 +160,69 @@ def test_window_loss_over_a_draft_vocabulary_is_the_loss_of_the_restricted_distr
         VocabHead.of([head.shape[0]], head)
 
 
+@pytest.mark.parametrize("loss,draft_vocab", [("lk_hybrid", False), ("lk_hybrid", True), ("ce", True), ("ce_l1", False)])
+def test_a_batch_of_windows_is_the_mean_of_their_losses(tiny_target, tiny_setup, loss, draft_vocab):
+    """batch_loss runs windows of one length as one [B, T] batch: its loss and every gradient are the mean of
+    window_loss over them — with windows at other positions, one without an assistant token (loss 0) and one
+    whose only assistant token leaves rows at the first draft step alone (its own Σ w_k)."""
+    from drafter.training import losses as L
+    from drafter.training.loop import VocabHead, batch_loss, micro_batches, window_loss
+
+    train_w, _, head = tiny_setup
+    cfg = small_cfg(loss=loss)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    T = len(train_w[0].input_ids)
+    early = torch.zeros(T, dtype=torch.bool)
+    early[2] = True  # x_2 is predicted at k = 1 only
+    w1, w2 = train_w[1], train_w[2]
+    wins = [train_w[0], Window("later", 7, w1.input_ids, w1.loss_mask, w1.hidden),
+            Window("none", 0, w2.input_ids, torch.zeros(T, dtype=torch.bool), w2.hidden),
+            Window("early", 3, w2.input_ids, early, w2.hidden)]
+    vocab = VocabHead.of(sorted(set(train_w[0].input_ids.tolist()) | {0, 1, 2}), head) if draft_vocab else None
+    d = load_drafter(tiny_target, EmbeddedGlm4MoeLayout())
+    freeze(d, cfg.freeze)
+    got, stats = batch_loss(d, head, wins, cfg, weights, vocab=vocab)
+    got.backward()
+    g_got = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+    d.zero_grad(set_to_none=True)
+    want = sum(window_loss(d, head, w, cfg, weights, vocab=vocab)[0] for w in wins) / len(wins)
+    want.backward()
+    assert len(stats) == cfg.k_steps and float(got.detach()) > 0
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert g_got.keys() == {n for n, p in d.named_parameters() if p.grad is not None}
+    for name, g in g_got.items():
+        ref = d.get_parameter(name).grad
+        assert (g - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-7, name
+    with pytest.raises(ValueError, match=r"one length only; got \[40, 48\]"):
+        batch_loss(d, head, [wins[0], Window("short", 0, w1.input_ids[:40], w1.loss_mask[:40], w1.hidden[:40])],
+                   cfg, weights)
+    by_len = [Window(str(i), 0, w1.input_ids[:n], w1.loss_mask[:n], w1.hidden[:n])
+              for i, n in enumerate([48, 40, 48, 48, 40, 40, 48, 48, 30])]
+    groups = [[w.row_id for w in g] for g in micro_batches(by_len, 4)]
+    assert groups == [["0", "2", "3"], ["1"], ["4", "5"], ["6", "7"], ["8"]]
+    assert [len(g) for g in micro_batches(by_len, 4, batched=False)] == [1] * 9
+
+
+def test_micro_batch_trains_as_accumulated_windows(tiny_target, tiny_setup, tmp_path):
+    """micro_batch 4 (each micro batch's windows of one length as one batch) and micro_batch 1 × grad_accum 4
+    see the same windows per step and give the same losses and held-out τ; shorter windows run in their own
+    group."""
+    train_w, eval_w, head = tiny_setup
+    mixed = [w if i % 3 else Window(w.row_id, 0, w.input_ids[:36], w.loss_mask[:36], w.hidden[:36])
+             for i, w in enumerate(train_w)]
+    res = {}
+    for mb, acc in ((4, 1), (1, 4)):
+        d = load_drafter(tiny_target, EmbeddedGlm4MoeLayout())
+        cfg = small_cfg(micro_batch=mb, grad_accum=acc, max_steps=4, eval_every=4)
+        res[mb] = train(d, head, mixed, eval_w, cfg, tmp_path / str(mb), log=lambda *_: None)
+    a, b = res[4], res[1]
+    assert a["tokens"] == b["tokens"] == sum(len(mixed[window_order(len(mixed), cfg.seed, i)].input_ids) for i in range(16))
+    for x, y in zip(a["history"], b["history"], strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+        assert x["alpha_1"] == pytest.approx(y["alpha_1"], abs=1e-4)
+    assert a["final"]["t0"]["tau"] == pytest.approx(b["final"]["t0"]["tau"], abs=1e-3)
+
+
 def test_kill_and_resume_gives_identical_weights(tiny_target, tiny_setup, tmp_path):
     train_w, eval_w, head = tiny_setup
     cfg = small_cfg(max_steps=12, checkpoint_every=4, eval_every=100)

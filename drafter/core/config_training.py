@@ -24,7 +24,7 @@ class TrainConfig(Section):
     l1_w: float = Field(0.9, ge=0, description="Weight of ‖p − q‖₁ in ce_l1.")
     k_steps: int = Field(4, ge=1, le=16, description="Draft positions unrolled in training (each fed the drafter's own previous hidden state).")
     window: int = Field(256, ge=8, description="Tokens per training window (conversations are cut into windows).")
-    micro_batch: int = Field(4, ge=1, description="Windows per micro batch.")
+    micro_batch: int = Field(4, ge=1, description="Windows per micro batch: an MTP or EAGLE-3 drafter runs its windows of one length as one batch (a DSpark draft one at a time).")
     grad_accum: int = Field(1, ge=1, description="Micro batches per optimizer step.")
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")

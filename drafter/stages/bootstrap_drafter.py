@@ -51,7 +51,7 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="bootstrap_drafter",
-    version="1",
+    version="2",  # 2: a micro batch's windows of one length run as one batch (the same loss, other float rounding)
     inputs=("prepare_target", "capture"),
     sections=("bootstrap_drafter", "dspark", "eagle3"),
     run=run,

@@ -127,9 +127,10 @@ def run(cfg: ReleaseConfig, inputs: dict[str, Artifact], out: Path) -> Metrics:
 
 STAGE = Stage(
     name="train",
-    version="4",  # 2: a DSpark fine-tune Platt-scales its confidence head on a slice it did not train on;
+    version="5",  # 2: a DSpark fine-tune Platt-scales its confidence head on a slice it did not train on;
                   # 3: train.draft_vocab_size (draft_vocab.safetensors); 4: the fine-tune trains over the draft
-                  # vocabulary, and the held-out checks mask to it
+                  # vocabulary, and the held-out checks mask to it; 5: a micro batch's windows of one length
+                  # run as one batch (the same loss, other float rounding)
     inputs=("prepare_target", "capture", "bootstrap_drafter"),
     sections=("train", "ablation", "baseline", "dspark", "eagle3"),
     run=run,

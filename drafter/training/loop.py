@@ -83,42 +83,75 @@ def window_loss(drafter, head_weight: torch.Tensor, win: Window, cfg: TrainConfi
     Logits (the expensive [tokens, vocab] part) are computed only where the predicted token is an
     assistant token — the only positions the loss counts; the hidden-state chain runs everywhere.
     The window is moved to the drafter's device; ``weights`` (:func:`~drafter.training.losses.position_weights`)
-    are read as Python floats.
+    are read as Python floats. :func:`batch_loss` of one window.
     """
-    win = win.to(dev := model_device(drafter, head_weight))
-    T = len(win.input_ids)
-    un = drafter.unroll(win.input_ids[None], drafter_input(drafter, win)[None], cfg.k_steps, win.positions[None],
-                        compute_logits=False)
+    return batch_loss(drafter, head_weight, [win], cfg, weights, fused=fused, vocab=vocab)
+
+
+def batch_loss(drafter, head_weight: torch.Tensor, wins: list[Window], cfg: TrainConfig, weights: torch.Tensor,
+               fused: bool = True, vocab: VocabHead | None = None):
+    """The mean over ``wins`` (windows of one length T) of :func:`window_loss`, with the drafter run once
+    over the ``[B, T]`` batch and each draft position's head and loss once over all windows' rows →
+    (loss, per-step stats: α / λ / accuracy averaged over the windows). A window without an assistant
+    token counts as loss 0. Equal to the mean of the windows' losses within float rounding (a row's
+    weight in the batch is its window's weight w_k / (Σ_k' w_k' · n_k) / B)."""
+    dev = model_device(drafter, head_weight)
+    wins = [w.to(dev) for w in wins]
+    B, T = len(wins), len(wins[0].input_ids)
+    if any(len(w.input_ids) != T for w in wins):
+        raise ValueError(f"batch_loss: windows of one length only; got {sorted({len(w.input_ids) for w in wins})}")
+    ids, mask = torch.stack([w.input_ids for w in wins]), torch.stack([w.loss_mask for w in wins])
+    un = drafter.unroll(ids, torch.stack([drafter_input(drafter, w) for w in wins]), cfg.k_steps,
+                        torch.stack([w.positions for w in wins]), compute_logits=False)
     target, row_of = None, None
     if cfg.loss != "ce":  # the target's logits at positions j = 1..T-2 whose next token counts, once for every step
-        need = torch.nonzero(win.loss_mask[2:T]).flatten() + 1
+        nb, nj = torch.nonzero(mask[:, 2:T], as_tuple=True)
+        nj = nj + 1
         with torch.no_grad():
-            target = target_logits(win.hidden[need], head_weight if vocab is None else vocab.weight)
-        row_of = torch.full((T,), -1, dtype=torch.long, device=dev)
-        row_of[need] = torch.arange(len(need), device=dev)
-    total, wsum, stats = 0.0, 0.0, []
+            target = target_logits(torch.stack([w.hidden for w in wins])[nb, nj],
+                                   head_weight if vocab is None else vocab.weight)
+        row_of = torch.full((B, T), -1, dtype=torch.long, device=dev)
+        row_of[nb, nj] = torch.arange(len(nb), device=dev)
+    rows = None if vocab is None or getattr(drafter, "own_vocab", False) else vocab.ids  # EAGLE-3: its own rows
+    steps = _draft_rows(ids, mask, cfg, vocab)
+    if not steps:  # no assistant token in these windows: nothing to learn, but keep the graph valid
+        return un.hidden[0].sum() * 0.0, []
+    wsum = sum(float(weights[k - 1]) * (n > 0).float() for k, _, _, _, n in steps)  # [B]: Σ_k w_k where k has rows
+    total, stats = 0.0, []
+    for k, b, t, tokens, n in steps:
+        q = drafter.logits(k - 1, un.hidden[k - 1][b, t], rows=rows)
+        p = None if target is None else target[row_of[b, t + k]]  # the target at position t+k
+        w = float(weights[k - 1])
+        if B == 1:  # one window: the weighted sum of its per-step means, divided by Σ w_k below
+            loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused)
+            total = total + w * loss_k
+        else:  # Σ_rows c·x with c = w_k / (wsum_b · n_b) / B: the mean over windows of each window's loss
+            c = w / (wsum[b] * n[b]) / B
+            loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused, mask=c)
+            total = total + loss_k * c.sum()
+        stats.append({"loss": float(loss_k.detach()), **st})
+    return (total / sum(float(weights[k - 1]) for k, *_ in steps) if B == 1 else total), stats
+
+
+def _draft_rows(ids: torch.Tensor, mask: torch.Tensor, cfg: TrainConfig, vocab: VocabHead | None) -> list[tuple]:
+    """Per draft step k with rows that count: ``(k, b, t, tokens, n)`` — the window b and position t of each
+    row whose predicted token x_{t+k+1} is an assistant token (inside the draft vocabulary for a token loss),
+    that token (its draft-vocabulary index then), and ``n`` [B] the rows of each window."""
+    B, T = ids.shape
+    out = []
     for k in range(1, cfg.k_steps + 1):
         n = T - k - 1  # positions whose predicted token x_{t+k+1} exists
         if n <= 0:
             break
-        sel = torch.nonzero(win.loss_mask[k + 1:k + 1 + n]).flatten()  # positions t that count
-        tokens = win.input_ids[k + 1 + sel]
+        b, t = torch.nonzero(mask[:, k + 1:k + 1 + n], as_tuple=True)  # positions t that count
+        tokens = ids[b, k + 1 + t]
         if vocab is not None and cfg.loss in TOKEN_LOSSES:  # a token outside the draft vocabulary: not a label
             inside = vocab.index[tokens] >= 0
-            sel, tokens = sel[inside], vocab.index[tokens[inside]]
-        if len(sel) == 0:
-            continue
-        rows = None if vocab is None or getattr(drafter, "own_vocab", False) else vocab.ids  # EAGLE-3: its own rows
-        q = drafter.logits(k - 1, un.hidden[k - 1][0, sel], rows=rows)
-        p = None if target is None else target[row_of[sel + k]]  # the target at position t+k
-        loss_k, st = L.position_loss(cfg, q, p, tokens, fused=fused)
-        w = float(weights[k - 1])
-        total = total + w * loss_k
-        wsum += w
-        stats.append({"loss": float(loss_k.detach()), **st})
-    if wsum == 0:  # no assistant token in this window: nothing to learn, but keep the graph valid
-        return un.hidden[0].sum() * 0.0, stats
-    return total / wsum, stats
+            b, t, tokens = b[inside], t[inside], vocab.index[tokens[inside]]
+        if len(b):
+            n_rows = torch.zeros(B, dtype=torch.long, device=b.device).index_add_(0, b, torch.ones_like(b))
+            out.append((k, b, t, tokens, n_rows))
+    return out
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -191,19 +224,36 @@ def _resume(latest: Path, drafter, opt, max_steps: int, log: Callable[[str], Non
 
 def _default_fns(drafter, head_weight: torch.Tensor, eval_windows: list[Window], cfg: TrainConfig, device,
                  loss_fn: Callable[[Window], tuple] | None, evaluate: Callable[[], dict] | None,
-                 draft_vocab) -> tuple[Callable[[Window], tuple], Callable[[], dict]]:
-    """``train``'s loss and held-out check: the given ones, else the MTP unroll's (:func:`window_loss`,
-    :func:`~drafter.evaluation.acceptance.acceptance`) with ``head_weight`` on ``device`` in float32,
-    over the draft vocabulary ``draft_vocab`` when given."""
+                 draft_vocab) -> tuple[Callable[[list[Window]], tuple], bool, Callable[[], dict]]:
+    """``train``'s loss of a list of windows, whether it takes several at once, and its held-out check: the
+    given ``loss_fn`` (one window at a time) and ``evaluate``, else the MTP unroll's (:func:`batch_loss`: a
+    micro batch's windows of one length at once; :func:`~drafter.evaluation.acceptance.acceptance`) with
+    ``head_weight`` on ``device`` in float32, over the draft vocabulary ``draft_vocab`` when given."""
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
     head_weight = head_weight.detach().float().to(device)
     vocab = None if draft_vocab is None else VocabHead.of(draft_vocab, head_weight)
     if loss_fn is None:
-        loss_fn = lambda win: window_loss(drafter, head_weight, win, cfg, weights, vocab=vocab)  # noqa: E731
+        batch_fn, batched = lambda wins: batch_loss(drafter, head_weight, wins, cfg, weights, vocab=vocab), True  # noqa: E731
+    else:
+        batch_fn, batched = (lambda wins, one=loss_fn: one(wins[0].to(device))), False
     if evaluate is None:
         mask = None if vocab is None else vocab.mask()
         evaluate = lambda: acceptance(drafter, head_weight, eval_windows, cfg.k_steps, vocab_mask=mask)  # noqa: E731
-    return loss_fn, evaluate
+    return batch_fn, batched, evaluate
+
+
+def micro_batches(wins: list[Window], size: int, batched: bool = True) -> list[list[Window]]:
+    """``wins`` in consecutive micro batches of ``size``, each split into runs of one length (first-seen
+    order): the groups one forward takes (windows are never padded); one window each when not ``batched``."""
+    if not batched:
+        return [[w] for w in wins]
+    out = []
+    for i in range(0, len(wins), size):
+        by_len: dict[int, list[Window]] = {}
+        for w in wins[i:i + size]:
+            by_len.setdefault(len(w.input_ids), []).append(w)
+        out += by_len.values()
+    return out
 
 
 def _hold(drafter, cfg: TrainConfig, device: torch.device):
@@ -311,7 +361,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     cfg = _resolved_dtype(cfg, device := model_device(drafter, head_weight), log)
     held, experts, autocast = _hold(drafter, cfg, device)
     params, opt = _optimizer(drafter, cfg)
-    loss_fn, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
+    batch_fn, batched, evaluate = _default_fns(drafter, head_weight, eval_windows, cfg, device, loss_fn, evaluate, draft_vocab)
     evaluate = _under(autocast, evaluate) if held["tensors"] else evaluate  # bf16 frozen: checks under autocast too
     start, history = _resume(latest, drafter, opt, cfg.max_steps, log)
     baseline = _baseline_acceptance(workdir / "baseline_acceptance.json", evaluate, rank)
@@ -330,15 +380,15 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             step_loss, step_stats = 0.0, []
-            for i in range(per_step):
-                index = window_order(len(train_windows), cfg.seed, (step * world + rank) * per_step + i)
-                win = train_windows[index].to(device)
+            first = (step * world + rank) * per_step  # this rank's slice of the step's windows
+            wins = [train_windows[window_order(len(train_windows), cfg.seed, first + i)] for i in range(per_step)]
+            for group in micro_batches(wins, cfg.micro_batch, batched):
                 with autocast:
-                    loss, stats = loss_fn(win)
-                (loss / per_step).backward()
-                step_loss += float(loss.detach()) / per_step
-                step_stats.append(stats)
-                tokens += len(win.input_ids)
+                    loss, stats = batch_fn(group)  # the mean over the group's windows
+                (loss * len(group) / per_step).backward()
+                step_loss += float(loss.detach()) * len(group) / per_step
+                step_stats += [stats] * len(group)
+                tokens += sum(len(w.input_ids) for w in group)
             if world > 1:
                 _all_reduce_grads(params, world)
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))

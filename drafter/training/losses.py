@@ -1,8 +1,8 @@
 """Drafter training losses: plain functions on one draft position.
 
 Every loss takes the draft logits ``[N, V]``, the target (logits ``[N, V]`` or token ids ``[N]``)
-and a mask ``[N]`` (1 = a position that counts), computes in float32 whatever the input dtype,
-and returns ``(loss, stats)``: the masked mean loss (a scalar with gradient w.r.t. the draft
+and a mask ``[N]`` (1 = a position that counts; float: the rows' weights), computes in float32 whatever
+the input dtype, and returns ``(loss, stats)``: the masked mean loss (a scalar with gradient w.r.t. the draft
 logits only) and detached statistics (mean α, and λ for the hybrid). Definitions
 (``../shared/DESIGN.md``, Losses), with p = target, q = draft:
 
@@ -39,10 +39,13 @@ def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool =
 
 
 def _masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    """The mean of ``x`` over the rows ``mask`` keeps (bool or 0/1: 0 when it keeps none), or its mean
+    weighted by ``mask`` (float weights: Σ w·x / Σ w)."""
     if mask is None:
         return x.mean()
     m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1.0)
+    den = m.sum()
+    return (x * m).sum() / (den if mask.is_floating_point() else den.clamp_min(1.0))
 
 
 def _probs(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0):
@@ -197,17 +200,18 @@ def position_weights(k: int, gamma: float = 4.0) -> Tensor:
     return torch.tensor([math.exp(-i / gamma) for i in range(k)], dtype=torch.float32)
 
 
-def position_loss(cfg, q: Tensor, p: Tensor | None, tokens: Tensor, fused: bool = True):
+def position_loss(cfg, q: Tensor, p: Tensor | None, tokens: Tensor, fused: bool = True, mask: Tensor | None = None):
     """The loss ``cfg.loss`` (a TrainConfig: loss, η, ce_w, l1_w) of one draft position's logits ``q``
-    against the target's logits ``p`` (None for ``ce``) and the data tokens. ``fused=False``: lk_hybrid's
-    reference autograd computation (bench/train.py's reference path)."""
+    against the target's logits ``p`` (None for ``ce``) and the data tokens, averaged over the rows with
+    weights ``mask`` (None: a plain mean). ``fused=False``: lk_hybrid's reference autograd computation
+    (bench/train.py's reference path)."""
     if cfg.loss == "ce":
-        return ce(q, tokens)
+        return ce(q, tokens, mask)
     if cfg.loss == "ce_l1":
-        return ce_l1(q, p, tokens, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
+        return ce_l1(q, p, tokens, mask, ce_w=cfg.ce_w, l1_w=cfg.l1_w)
     if cfg.loss == "lk_hybrid":
-        return lk_hybrid(q, p, eta=cfg.eta, fused=fused)
-    return LOSSES[cfg.loss](q, p)
+        return lk_hybrid(q, p, mask, eta=cfg.eta, fused=fused)
+    return LOSSES[cfg.loss](q, p, mask)
 
 
 LOSSES = {"kl": kl, "tv": tv, "lk_alpha": lk_alpha, "lk_hybrid": lk_hybrid, "ce": ce, "ce_l1": ce_l1}

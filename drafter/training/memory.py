@@ -24,12 +24,13 @@ V': the vocabulary the loss runs over (``train.draft_vocab_size`` or the whole v
   1 − (1 − top_k/E)^T. None when the frozen weights are bfloat16 already.
 * **target LM head** V · H · 4 (MTP): :mod:`drafter.training.run` reads ``lm_head.weight`` in float32 for
   the target's logits.
-* **activations** K · T · A · b(c) + the attention masks K · T · (k·T) · b(c), with A the values kept for
+* **activations** K · B·T · A · b(c) + the attention masks K · T · (k·T) · b(c), with B = ``micro_batch`` (its
+  windows of one length run as one batch; all B of one length is the upper bound) and A the values kept for
   the backward pass per token and drafter-layer pass (:func:`activation_values`, from the hidden size, the
   attention's dimensions, the experts' top-k and intermediate width). Attention is assumed to run in a
   fused SDPA kernel (no T×T scores kept).
-* **loss logits** at the real vocabulary (rows n = T, an upper bound: every position an assistant token):
-  the target's logits n · V' · 4 (float32, once per window); kept for the backward pass per draft
+* **loss logits** at the real vocabulary (rows n = B·T, an upper bound: every position an assistant token):
+  the target's logits n · V' · 4 (float32, once per micro batch); kept for the backward pass per draft
   step: the fused LK-hybrid loss (:class:`drafter.training.losses.LKHybridRows`) keeps only its float32
   gradient, n · V' · 4, other losses ~3 float32 [n, V'] tensors (log q, p, and the autograd's copy);
   the working set at the loss: the draft logits n · V' · b(c) plus, in the backward pass, the float32
@@ -364,9 +365,9 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
             raise ValueError("a DSpark plan needs anchors and block_size (the dspark section)")
         tokens, passes, uses = anchors * block_size, shape.layers, 1
         rows = tokens
-    else:
-        tokens, passes, uses = T, train.k_steps, train.k_steps
-        rows = T
+    else:  # a micro batch's windows of one length run as one batch: at most micro_batch windows at once
+        tokens, passes, uses = train.micro_batch * T, train.k_steps, train.k_steps
+        rows = tokens
     hit = 1.0 if not shape.experts else 1 - (1 - shape.top_k / shape.experts) ** tokens
     if c == "bfloat16" and frozen_dtype == "float32":
         n_copy = int((p.frozen_matmul - p.routed_experts) + p.routed_experts * hit)
@@ -384,8 +385,8 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
             passes * tokens * A * bc + ctx)
     else:
         mask = sum(T * (k * T if shape.layers == 1 else T) for k in range(1, train.k_steps + 1)) * bc
-        add("activations", f"{passes} passes × {T} tokens × {A:,} values × {bc} + masks {mask:,} B",
-            passes * T * A * bc + mask)
+        add("activations", f"{passes} passes × {tokens} tokens × {A:,} values × {bc} + masks {mask:,} B",
+            passes * tokens * A * bc + mask)
     Vp = train.draft_vocab_size or shape.vocab
     add("target logits (float32)", f"{rows} × {Vp:,} × 4", rows * Vp * 4)
     if shape.kind == "dspark_v41":
@@ -408,7 +409,8 @@ def plan_memory(shape: DrafterShape, train, *, dims_source: str, frozen_dtype: s
            " (not what this config's training does: see train.frozen_dtype)"),
         "trainable weights, gradients and AdamW state in float32 (16 B per trainable parameter)",
         f"compute in {c}" + (" (train.dtype bfloat16: autocast)" if c == "bfloat16" else ""),
-        f"micro_batch {train.micro_batch}: windows run one at a time (activations of one window at once)",
+        (f"micro_batch {train.micro_batch}: its windows run as one batch (all {train.micro_batch} of one length: "
+         "an upper bound)" if shape.kind == "mtp" else "windows run one at a time (activations of one window at once)"),
         f"loss rows = {rows} (every position an assistant token: an upper bound)",
         "attention in a fused SDPA kernel (no T×T scores kept); routed experts hit: "
         f"1 − (1 − {shape.top_k}/{shape.experts})^{tokens} = {hit:.3f}" if shape.experts else
