@@ -220,7 +220,7 @@ def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
         hw = head.to(dev)
         vh = VocabHead.of(ids.to(dev), hw)
         cfg = train_cfg(k_steps=2, micro_batch=mb)
-        weights = L.position_weights(2, cfg.gamma).to(dev)
+        weights = L.position_weights(2, cfg.gamma)  # on the host, as train() keeps them: read as floats
         params = [p for n, p in d.named_parameters() if not n.startswith("embed_tokens")]
         ws = [w.to(dev) for w in wins]
         one = timed_steps(lambda: window_loss(d, hw, ws[0], cfg, weights, vocab=vh)[0], params, dev, steps, lr=1e-4)

@@ -111,6 +111,39 @@ def test_unrolled_steps_are_the_served_steps_and_train_only_the_head():
             "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "layers.0.mlp.down_proj.weight"} <= grads
 
 
+def test_a_batch_of_windows_trains_as_the_mean_of_their_losses():
+    """train()'s micro batch as one [B, T] batch for an EAGLE-3 head (its own draft-vocabulary rows, the
+    captured features as input): loss and gradients are the mean of window_loss over the windows."""
+    from drafter.core.config import TrainConfig
+    from drafter.data.windows import Window
+    from drafter.training import losses as L
+    from drafter.training.loop import VocabHead, batch_loss, window_loss
+
+    cfg = Eagle3Config.for_target(_target_config(), draft_vocab_size=40)
+    head = _head(cfg)
+    vocab_ids = list(range(0, 80, 2))
+    head.set_draft_vocab(vocab_ids)
+    g = torch.Generator().manual_seed(3)
+    target_head = torch.randn(96, 64, generator=g)
+    wins = []
+    for i in range(3):
+        mask = torch.rand(16, generator=g) > 0.3
+        wins.append(Window(f"w{i}", 4 * i, torch.randint(0, 80, (16,), generator=g), mask, torch.randn(16, 64, generator=g),
+                           torch.randn(16, 3 * 64, generator=g)))
+    tc = TrainConfig(loss="lk_hybrid", k_steps=3, window=16)
+    weights, vocab = L.position_weights(3, tc.gamma), VocabHead.of(vocab_ids, target_head)
+    got, _ = batch_loss(head, target_head, wins, tc, weights, vocab=vocab)
+    got.backward()
+    g_got = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad(set_to_none=True)
+    want = sum(window_loss(head, target_head, w, tc, weights, vocab=vocab)[0] for w in wins) / 3
+    want.backward()
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=0)
+    assert g_got.keys() == {n for n, p in head.named_parameters() if p.grad is not None} and "fc.weight" in g_got
+    for n, gr in g_got.items():
+        torch.testing.assert_close(gr, head.get_parameter(n).grad, rtol=1e-4, atol=1e-7)
+
+
 def test_unroll_runs_on_the_meta_device():
     cfg = Eagle3Config.for_target(_target_config(), draft_vocab_size=40)
     head = Eagle3Draft(cfg, device="meta")

@@ -57,6 +57,24 @@ def test_v3_plan_terms_follow_the_counts(v3_plan):
     assert not p32.fits_one_gpu and p16.fits_one_gpu  # on an 80 GiB GPU
 
 
+def test_a_micro_batch_runs_as_one_batch_in_the_plan(v3_plan):
+    """micro_batch B: the activations and every loss term of B windows at once (they run as one batch); the
+    weights, optimizer state and attention masks do not grow."""
+    cfg, plans = v3_plan
+    tc = memory.shipped_target_config(cfg.prepare_target.hub_id)
+    one = {ln.what: ln for ln in plans["bfloat16"].lines}
+    four = memory.plan_for_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch": 4})}),
+                                  tc, frozen_dtype="bfloat16")
+    lines = {ln.what: ln for ln in four.lines}
+    assert cfg.train.micro_batch == 1 and four.loss_rows == 4 * cfg.train.window
+    for what in ("target logits (float32)", "loss state kept for backward",
+                 "loss working set (draft logits; backward gradient + cast)"):
+        assert lines[what].bytes == 4 * one[what].bytes, what
+    assert 3.9 * one["activations"].bytes < lines["activations"].bytes < 4 * one["activations"].bytes  # masks once
+    assert lines["frozen weights (bfloat16)"].bytes == one["frozen weights (bfloat16)"].bytes
+    assert any("micro_batch 4: its windows run as one batch" in a for a in four.assumptions)
+
+
 def test_v41_dspark_counted_from_the_layout():
     cfg = load_config(V41)
     tc = memory.shipped_target_config(cfg.prepare_target.hub_id)
