@@ -8,6 +8,8 @@ What it runs, each on the CPU (the reference) and on the GPU, from the same seed
 * ``mtp``       the MTP step (``window_loss``, lk_hybrid, K = 1..3, whole vocabulary and a draft vocabulary) in
                 float32: the loss difference, and the bf16-autocast training step's tokens/s and peak memory
                 (``train()``'s: a micro batch of 4 windows of 256 as one batch; one window at a time beside it);
+* ``compile``   that training step with the drafter's layers compiled (``train.compile``) against it eager, on the
+                GPU only: tokens/s, the first step's seconds (the compile), the first loss;
 * ``train``     ``train()`` itself for a few steps including its held-out checks: the loss history and τ;
 * ``dspark``    the DSpark block step (``block_loss`` with the confidence head) and ``block_acceptance``;
 * ``fp8``       block FP8 of one 7168×2048 bf16 tensor under both scale rules: differing scale and E4M3 bytes;
@@ -18,11 +20,11 @@ What it runs, each on the CPU (the reference) and on the GPU, from the same seed
 
 Without a CUDA device (and without ``--dry-run``) it stops at once with the reason and exit code 3: the
 boundary. With ``--out DIR`` (default ``$OUT`` when set) it writes ``gpu_check.json``, ``gpu_check.md`` and
-``profile-*.txt`` (one more demo-size and V3-size step under torch.profiler: kernels by GPU time, launch count).
-Criteria (issue 32): losses within 1e-4 in float32, FP8 bytes identical, the V3 step's peak within 15 % of the
-plan; on a GPU also issue 36's bars: the demo-size step ≥ 10,000 tokens/s, the V3-size step ≥ 10,000 tokens/s
-at window 2048 with peak ≤ 40 GiB. A check that cannot run says why in its row; the exit code is 1 when any
-criterion fails.
+``profile-*.txt`` (one more step under torch.profiler of the demo size, eager and compiled, and of the V3 size:
+kernels by GPU time, launch count). Criteria (issue 32): losses within 1e-4 in float32, FP8 bytes identical, the
+V3 step's peak within 15 % of the plan; on a GPU also issue 36's bars: the demo-size step ≥ 10,000 tokens/s (its
+eager and its compiled row), the V3-size step ≥ 10,000 tokens/s at window 2048 with peak ≤ 40 GiB. A check that
+cannot run says why in its row; the exit code is 1 when any criterion fails.
 """
 from __future__ import annotations
 
@@ -238,6 +240,56 @@ def check_mtp(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
         c.ok = tps >= DEMO_STEP_BAR
     rows.append(c)
     return rows
+
+
+def check_compile(gpu: torch.device, shape: dict, steps: int) -> list[Check]:
+    """``train.compile``: the demo-size step of :func:`check_mtp` (bf16 autocast, a micro batch of 4 as one batch,
+    K = 2, a draft vocabulary) on the GPU with the drafter's layers compiled, against the same step eager from the
+    same weights: tokens/s, the first step's seconds (the compile), the first loss (bf16: within 1e-2)."""
+    from drafter.training import losses as L
+    from drafter.training.compiled import compile_layers
+    from drafter.training.loop import VocabHead, batch_loss
+
+    base = mtp_drafter(shape)
+    H, V = shape["hidden_size"], shape["vocab_size"]
+    hw = (torch.randn(V, H, generator=torch.Generator().manual_seed(5)) * 0.05).to(gpu)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(2))[: V // 6].sort().values
+    vh = VocabHead.of(ids.to(gpu), hw)
+    mb, T = 4, 256 if shape is DEMO else 64
+    ws = [w.to(gpu) for w in random_windows(mb, T, V, H, seed=11)]
+    cfg = train_cfg(k_steps=2, micro_batch=mb)
+    weights = L.position_weights(2, cfg.gamma)
+    c = Check(f"mtp step bf16 compiled (train.compile), micro batch {mb} × window {T}")
+    out = {}
+    for name in ("eager", "compiled"):
+        d = copy.deepcopy(base).to(gpu)
+        if name == "compiled":
+            compile_layers(d)
+        params = [p for n, p in d.named_parameters() if not n.startswith("embed_tokens")]
+        fn = lambda d=d: batch_loss(d, hw, ws, cfg, weights, vocab=vh)[0]  # noqa: E731
+        sync(gpu)
+        t0 = time.perf_counter()
+        with torch.autocast(gpu.type, dtype=torch.bfloat16):
+            first = fn()
+        first.backward()  # the compile of the forward and the backward happens here
+        sync(gpu)
+        out[name] = {"first_s": time.perf_counter() - t0, "loss": float(first.detach())}
+        d.zero_grad(set_to_none=True)
+        out[name]["tok_s"] = mb * T / timed_steps(fn, params, gpu, steps, lr=1e-4)
+        out[name]["peak"] = peak_gib(gpu)
+        if name == "compiled" and PROFILE_DIR:
+            profile_step("demo-step-compiled", fn, params, gpu)
+    e, k = out["eager"], out["compiled"]
+    rel = abs(k["loss"] - e["loss"]) / max(abs(e["loss"]), 1e-12)
+    c.cpu = "—"
+    c.gpu = (f"{k['tok_s']:,.0f} tok/s compiled, {e['tok_s']:,.0f} eager; first step {k['first_s']:.1f} s "
+             f"(eager {e['first_s']:.1f} s)" + (f", peak {k['peak']:.2f} GiB" if k["peak"] is not None else ""))
+    c.compare = f"{k['tok_s'] / e['tok_s']:.2f}× eager; first loss rel. diff {rel:.1e}"
+    c.ok = rel <= 1e-2
+    if gpu.type == "cuda":  # issue 36's bar for the demo-size step, compiled
+        c.compare += f"; bar ≥ {DEMO_STEP_BAR:,} tok/s"
+        c.ok = c.ok and k["tok_s"] >= DEMO_STEP_BAR
+    return [c]
 
 
 def check_train(gpu: torch.device, shape: dict) -> list[Check]:
@@ -493,7 +545,7 @@ def boundary() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the CPU stands in for the GPU; small sizes")
-    ap.add_argument("--only", default="mtp,train,dspark,fp8,v3,torchrun", help="checks to run (comma-separated)")
+    ap.add_argument("--only", default="mtp,compile,train,dspark,fp8,v3,torchrun", help="checks to run (comma-separated)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per speed measurement (after one warm-up)")
     ap.add_argument("--v3-window", type=int, default=2048, help="window of the V3-size step")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
@@ -518,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{transformers.__version__}, " + (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
                                                  if gpu.type == "cuda" else "dry run: the CPU stands in for the GPU"))
     print(header, flush=True)
-    checks = {"mtp": lambda: check_mtp(gpu, shape, args.steps), "train": lambda: check_train(gpu, shape),
+    checks = {"mtp": lambda: check_mtp(gpu, shape, args.steps), "compile": lambda: check_compile(gpu, shape, args.steps),
+              "train": lambda: check_train(gpu, shape),
               "dspark": lambda: check_dspark(gpu, shape), "fp8": lambda: check_fp8(gpu, big=not args.dry_run),
               "v3": lambda: check_v3(gpu, args.dry_run, 128 if args.dry_run else args.v3_window, args.steps),
               "torchrun": lambda: check_torchrun(gpu)}

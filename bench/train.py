@@ -2,7 +2,7 @@
 in the LM head (the part worth fusing or chunking) — the MTP step and the DSpark block step.
 
     .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
-                                    [--threads N] [--kinds mtp,dspark] [--draft-vocab 8192]
+                                    [--threads N] [--kinds mtp,dspark] [--draft-vocab 8192] [--compile]
                                     [--block 5] [--anchors 64] [--markov-rank 64]
                                     [--device cpu] [--bf16] [--experts-e 64] [--experts-top-k 8] [--experts-hidden 256]
 
@@ -15,7 +15,8 @@ autograd, ``fused=False``) and the step as training runs it (the exact shortcuts
 tokens/s, their ratio and both paths' loss of every window (equal within float tolerance); a third path runs
 the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision; two more run
 it over a draft vocabulary (``--draft-vocab``, `train.draft_vocab_size`: the restricted distributions' loss, in
-float32 and bf16 — the demo's step). Then the
+float32 and bf16 — the demo's step), the last of them with the micro batch as one batch (``train()``'s step) and,
+with ``--compile``, that step again with the drafter's layers compiled (``train.compile``). Then the
 same step's LM-head work alone (the draft head forward/backward and the target head forward on the
 same shapes) and its share of the step. Then a DSpark step on the same windows
 (configs/demo-dspark.yaml's draft: one decoder layer over three target layers, blocks of ``--block``,
@@ -45,6 +46,7 @@ from drafter.training import losses as L  # noqa: E402
 from drafter.core.config import TrainConfig  # noqa: E402
 from drafter.models import freeze, layout_for, load_drafter  # noqa: E402
 from drafter.models.target import read_tensor  # noqa: E402
+from drafter.training.compiled import compile_layers  # noqa: E402
 from drafter.training.loop import VocabHead, batch_loss, window_loss  # noqa: E402
 from drafter.serving.draft_vocab import build_draft_vocab  # noqa: E402
 from drafter.data.windows import Window, load_windows  # noqa: E402
@@ -205,6 +207,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="also time the step over a draft vocabulary of N tokens (train.draft_vocab_size), fp32 and "
                          "bf16; 0: skip")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the micro-batch step with the drafter's layers compiled (train.compile)")
     ap.add_argument("--device", default="cpu", help="device of the experts comparison (cpu, cuda, cuda:N)")
     ap.add_argument("--bf16", action="store_true", help="experts comparison under bf16 autocast")
     ap.add_argument("--experts-e", type=int, default=64, help="routed experts of the V3-shaped layer")
@@ -271,6 +275,9 @@ def main(kind: str | None = None) -> dict | None:
         vocab = VocabHead.of(ids, head)
         paths |= {"vocab": copy.deepcopy(drafter), "vocab_bf16": copy.deepcopy(drafter),
                   "batched": copy.deepcopy(drafter)}
+        if args.compile:  # train.compile: the batched step with the drafter's layers compiled
+            paths["compiled"] = copy.deepcopy(drafter)
+            compile_layers(paths["compiled"])
     drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward (and the autograd loss)
     opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
@@ -279,7 +286,7 @@ def main(kind: str | None = None) -> dict | None:
 
     def full_step(path: str, i: int) -> tuple[int, list[float]]:
         d, opt, toks, losses = paths[path], opts[path], 0, []
-        if path == "batched":  # the demo's step as train() runs it: the micro batch's windows as one batch
+        if path in ("batched", "compiled"):  # the demo's step as train() runs it: the micro batch's windows as one batch
             group = [wins[(i * args.micro_batch + j) % len(wins)] for j in range(args.micro_batch)]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, _ = batch_loss(d, head, group, cfg, weights, vocab=vocab)
@@ -317,8 +324,11 @@ def main(kind: str | None = None) -> dict | None:
                 loss, _ = L.lk_hybrid(q, p[: len(sel)])
                 loss.backward()
 
-    for path in paths:  # warm-up, on windows the timed steps do not use
+    warm = {}
+    for path in paths:  # warm-up, on windows the timed steps do not use (the compiled path compiles here)
+        t0 = time.perf_counter()
         full_step(path, args.steps + 1)
+        warm[path] = time.perf_counter() - t0
     head_only(0)
     t = {path: 0.0 for path in paths}
     losses = {path: [] for path in paths}
@@ -339,7 +349,8 @@ def main(kind: str | None = None) -> dict | None:
                        ("bf16", "new, bf16 autocast (not exact)"),
                        ("vocab", f"new, over {args.draft_vocab} draft tokens"),
                        ("vocab_bf16", f"new, {args.draft_vocab} draft tokens, bf16"),
-                       ("batched", f"  the same, micro batch as one batch")):
+                       ("batched", f"  the same, micro batch as one batch"),
+                       ("compiled", f"  the same, layers compiled")):
         if path not in paths:
             continue
         print(f"{name:<40}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
@@ -365,6 +376,11 @@ def main(kind: str | None = None) -> dict | None:
         db = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(per_window, losses["batched"]))
         print(f"the micro batch of {mb} windows as one batch (train()'s step): tokens/s {tok_s['batched'] / tok_s['vocab_bf16']:.2f}× "
               f"one window at a time; micro-batch losses within {db:.2e} relative (bf16 autocast)")
+    if "compiled" in paths:
+        dc = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["batched"], losses["compiled"]))
+        print(f"the same step with the drafter's layers compiled (train.compile): tokens/s "
+              f"{tok_s['compiled'] / tok_s['batched']:.2f}× the eager step, losses within {dc:.2e} relative; its first "
+              f"step (the compile) {warm['compiled']:.1f} s against {warm['batched']:.1f} s eager")
     return {"s_step": t["new"] / args.steps, "tok_s": tok_s["new"], "peak_mb": peak_rss_mb()}
 
 

@@ -38,7 +38,8 @@ def test_dry_run_runs_every_check(tmp_path):
     assert p.returncode == 0, "\n".join(failed_lines) + "\n" + p.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [r["check"] for r in res["rows"]]
-    for prefix in ("mtp window_loss K=1", "mtp window_loss K=3 draft vocab", "mtp step bf16", "train()",
+    for prefix in ("mtp window_loss K=1", "mtp window_loss K=3 draft vocab", "mtp step bf16",
+                   "mtp step bf16 compiled (train.compile)", "train()",
                    "dspark block_loss", "dspark block_acceptance", "fp8 float32", "fp8 ue8m0", "v3-size MTP step",
                    "torchrun 2 processes"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
@@ -51,6 +52,10 @@ def test_dry_run_runs_every_check(tmp_path):
     step = next(r for r in res["rows"] if r["check"].startswith("mtp step bf16"))
     assert "micro batch 4 × window 64" in step["check"] and "one window at a time" in step["gpu"]
     assert "bar" not in step["compare"] and step["result"] == "—"  # issue 36's bars are a GPU's, not a dry run's
-    for name in ("profile-demo-step-micro-batch-4.txt", "profile-v3-step-window-128.txt"):
+    comp = next(r for r in res["rows"] if r["check"].startswith("mtp step bf16 compiled"))
+    assert "compiled" in comp["gpu"] and "× eager" in comp["compare"] and "bar" not in comp["compare"], comp
+    assert "Torch-Compiled Region" in (tmp_path / "profile-demo-step-compiled.txt").read_text()
+    for name in ("profile-demo-step-micro-batch-4.txt", "profile-demo-step-compiled.txt",
+                 "profile-v3-step-window-128.txt"):
         text = (tmp_path / name).read_text()
         assert text.startswith(name[8:-4] + ": one step, 0 GPU kernels") and "aten::mm" in text, text[:500]

@@ -55,6 +55,10 @@ class TrainConfig(Section):
         "auto", description="dtype of the frozen matmul weights (experts, output head, bf16-exact embeddings) during "
         "training: `auto` = bfloat16 under `dtype: bfloat16` (autocast casts them anyway: the same numbers, half the "
         "memory, no per-use copies), else float32. The written drafter keeps their original values.")
+    compile: bool = Operational(
+        False, description="torch.compile each drafter layer for training (drafter/training/compiled.py: Inductor fuses "
+        "a layer's element-wise work; the head and loss stay eager). Pays where kernel launches bound the step (a GPU "
+        "at demo size), costs a compile before the first step; the same result within float rounding.")
     nproc_per_node: int = Field(1, ge=1, description="Training processes (one per GPU): >1 runs the same loop under "
                                 "torchrun (gradients averaged across ranks; NCCL on GPUs, gloo on CPU).")
     draft_vocab_size: int = Field(

@@ -40,6 +40,7 @@ from drafter.core.config import TrainConfig
 from drafter.core.hardware import compute_dtype, native_bf16
 from drafter.models import freeze
 from drafter.models.experts import set_experts
+from drafter.training.compiled import compile_layers
 from drafter.training.frozen import frozen_dtype_of, hold_frozen
 from drafter.core.progress import progress
 from drafter.data.windows import Window, window_order
@@ -258,9 +259,12 @@ def micro_batches(wins: list[Window], size: int, batched: bool = True) -> list[l
 
 def _hold(drafter, cfg: TrainConfig, device: torch.device):
     """The frozen weights in ``train.frozen_dtype`` (:mod:`drafter.training.frozen`), then the routed experts'
-    path (``train.experts``: it reads their dtype), and the step's autocast: ``(held, experts, autocast)``."""
+    path (``train.experts``: it reads their dtype), the layers compiled under ``train.compile``
+    (:mod:`drafter.training.compiled`; ``held["compiled"]``: how many), and the step's autocast:
+    ``(held, experts, autocast)``."""
     held = hold_frozen(drafter, frozen_dtype_of(cfg, device.type))
     experts = set_experts(drafter, cfg.experts)  # None: no routed experts (a DSpark draft computes its own)
+    held["compiled"] = compile_layers(drafter) if cfg.compile else 0
     return held, experts, L.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
 
@@ -279,6 +283,7 @@ def _resolved_dtype(cfg: TrainConfig, device: torch.device, log: Callable[[str],
 
 def _held_note(held: dict, experts: str | None) -> str:
     return ((f"; routed experts: {experts}" if experts else "")
+            + (f"; {held['compiled']} layer(s) compiled (train.compile: the first steps compile)" if held["compiled"] else "")
             + (f"; {held['tensors']} frozen weight tensors held in {held['dtype']} ({held['bytes_saved'] / 2**20:,.1f} "
                "MiB less)" if held["tensors"] else ""))
 
@@ -412,7 +417,7 @@ def train(drafter, head_weight: torch.Tensor, train_windows: list[Window], eval_
     return {"history": history, "baseline": baseline, "final": final, "trainable": n_trainable, "frozen": n_frozen,
             "dtype": cfg.dtype, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
             "resumed_from": start, "world_size": world, "experts": experts,
-            "frozen_dtype": held["dtype"] if held["tensors"] else "float32"}
+            "frozen_dtype": held["dtype"] if held["tensors"] else "float32", "compiled": held["compiled"]}
 
 
 def plot_curves(history: list[dict], path: Path, title: str) -> Path:

@@ -56,7 +56,7 @@ class HeldoutCheck(Part):
 
 class TrainResult(ResultFile):
     """``result.json`` of a training run (``train``, its ablations, ``bootstrap_drafter``). Outputs from before a
-    field was recorded lack it: ``world_size`` (1), ``device``, ``experts``, ``hardware``, ``draft_vocab``, ``recalibration``."""
+    field was recorded lack it: ``world_size`` (1), ``device``, ``experts``, ``hardware``, ``draft_vocab``, ``recalibration``, ``compiled``."""
 
     NAME: ClassVar[str] = RESULT_JSON
     baseline: HeldoutCheck
@@ -82,6 +82,7 @@ class TrainResult(ResultFile):
     device: str | None = None
     experts: str | None = None
     frozen_dtype: str | None = None
+    compiled: int | None = None  # the layers train.compile compiled (0: eager)
     dtype: str | None = None  # the compute dtype the run used (train.dtype, auto resolved)
     hardware: dict | None = None
 
