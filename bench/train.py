@@ -2,7 +2,7 @@
 in the LM head (the part worth fusing or chunking) — the MTP step and the DSpark block step.
 
     .venv/bin/python bench/train.py [--steps 6] [--window 256] [--k 4] [--capture DIR] [--target DIR]
-                                    [--threads N] [--kinds mtp,dspark] [--draft-vocab 8192] [--compile]
+                                    [--threads N] [--kinds mtp,dspark,experts,compile] [--draft-vocab 8192]
                                     [--block 5] [--anchors 64] [--markov-rank 64]
                                     [--device cpu] [--bf16] [--experts-e 64] [--experts-top-k 8] [--experts-hidden 256]
 
@@ -15,8 +15,7 @@ autograd, ``fused=False``) and the step as training runs it (the exact shortcuts
 tokens/s, their ratio and both paths' loss of every window (equal within float tolerance); a third path runs
 the new step under bfloat16 autocast (`train.dtype: bfloat16`), whose losses differ at bf16 precision; two more run
 it over a draft vocabulary (``--draft-vocab``, `train.draft_vocab_size`: the restricted distributions' loss, in
-float32 and bf16 — the demo's step), the last of them with the micro batch as one batch (``train()``'s step) and,
-with ``--compile``, that step again with the drafter's layers compiled (``train.compile``). Then the
+float32 and bf16 — the demo's step). Then the
 same step's LM-head work alone (the draft head forward/backward and the target head forward on the
 same shapes) and its share of the step. Then a DSpark step on the same windows
 (configs/demo-dspark.yaml's draft: one decoder layer over three target layers, blocks of ``--block``,
@@ -26,6 +25,10 @@ each peak memory (max RSS) is that step's own (the MTP one holds three drafters 
 Last (``experts``, on ``--device``) the routed experts computed by transformers' loop (``train.experts: eager``)
 against one grouped matmul (``grouped_mm``, drafter/models/experts.py) on the general MoE path: the demo's layer
 and a DeepSeek-V3-shaped layer scaled to the CPU (``--experts-e`` experts, top ``--experts-top-k``).
+``compile`` (not in the default ``--kinds``): ``train()``'s step as the demo runs it (the micro batch as one batch,
+over the ``--draft-vocab`` draft tokens, in the dtype ``train.dtype: auto`` picks on ``--device``) eager against the
+same step with the drafter's layers compiled (``train.compile``), from the same weights on the same windows: tokens/s,
+the first step's seconds (the compile) and the losses.
 """
 from __future__ import annotations
 
@@ -46,7 +49,6 @@ from drafter.training import losses as L  # noqa: E402
 from drafter.core.config import TrainConfig  # noqa: E402
 from drafter.models import freeze, layout_for, load_drafter  # noqa: E402
 from drafter.models.target import read_tensor  # noqa: E402
-from drafter.training.compiled import compile_layers  # noqa: E402
 from drafter.training.loop import VocabHead, batch_loss, window_loss  # noqa: E402
 from drafter.serving.draft_vocab import build_draft_vocab  # noqa: E402
 from drafter.data.windows import Window, load_windows  # noqa: E402
@@ -186,6 +188,61 @@ def experts_step(args, drafter, head: torch.Tensor, wins: list[Window]) -> dict:
     return {"experts": out}
 
 
+def compile_step(args, drafter, head: torch.Tensor, wins: list[Window]) -> dict:
+    """train()'s step eager and with the drafter's layers compiled (see the module docstring)."""
+    from drafter.core.hardware import compute_dtype
+    from drafter.training.compiled import compile_layers
+
+    dev = torch.device(args.device)
+    dtype = compute_dtype("auto", dev)
+    cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch,
+                      dtype=dtype)
+    freeze(drafter, cfg.freeze)
+    head = head.to(dev)
+    V = head.shape[0]
+    vocab = None
+    if args.draft_vocab:
+        vocab = VocabHead.of(build_draft_vocab((w.input_ids.tolist() for w in wins), vocab_size=V,
+                                               size=min(args.draft_vocab, V)), head)
+    weights = L.position_weights(cfg.k_steps, cfg.gamma)
+    mb = args.micro_batch
+    groups = [[wins[(i * mb + j) % len(wins)].to(dev) for j in range(mb)] for i in range(args.steps + 1)]
+    paths = {"eager": copy.deepcopy(drafter).to(dev), "compiled": copy.deepcopy(drafter).to(dev)}
+    compile_layers(paths["compiled"])
+    opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
+
+    def step(path: str, group: list[Window]) -> float:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss, _ = batch_loss(paths[path], head, group, cfg, weights, vocab=vocab)
+        loss.backward()
+        opts[path].step()
+        opts[path].zero_grad(set_to_none=True)
+        _sync(dev)
+        return float(loss.detach())
+
+    first, t, losses = {}, {p: 0.0 for p in paths}, {p: [] for p in paths}
+    for path in paths:  # the first step: the compiled path compiles here
+        t0 = time.perf_counter()
+        losses[path].append(step(path, groups[0]))
+        first[path] = time.perf_counter() - t0
+    for group in groups[1:]:  # interleaved so that both see the same machine load
+        for path in paths:
+            t0 = time.perf_counter()
+            losses[path].append(step(path, group))
+            t[path] += time.perf_counter() - t0
+    toks = sum(len(w.input_ids) for g in groups[1:] for w in g)
+    tok_s = {p: toks / t[p] for p in paths}
+    diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["eager"], losses["compiled"]))
+    print(f"train()'s step on {dev} ({dtype}, micro batch {mb} × window {args.window} as one batch, K={args.k}, "
+          f"{len(vocab.ids) if vocab is not None else V} draft tokens, torch threads {torch.get_num_threads()}):")
+    print(f"{'':<12}{'first step s':>14}{'s/step':>10}{'tokens/s':>12}")
+    for p in paths:
+        print(f"{p:<12}{first[p]:>14.1f}{t[p] / args.steps:>10.3f}{tok_s[p]:>12,.1f}")
+    print(f"compiled / eager: tokens/s {tok_s['compiled'] / tok_s['eager']:.2f}×; losses of {len(losses['eager'])} steps "
+          f"within {diff:.2e} relative; the compile cost {first['compiled'] - first['eager']:.1f} s before the first step")
+    return {"compile": tok_s}
+
+
 def _child(kind: str, argv: list[str], q) -> None:
     sys.argv = [sys.argv[0], *argv]
     q.put(main(kind))
@@ -207,9 +264,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="also time the step over a draft vocabulary of N tokens (train.draft_vocab_size), fp32 and "
                          "bf16; 0: skip")
-    ap.add_argument("--compile", action="store_true",
-                    help="also time the micro-batch step with the drafter's layers compiled (train.compile)")
-    ap.add_argument("--device", default="cpu", help="device of the experts comparison (cpu, cuda, cuda:N)")
+    ap.add_argument("--device", default="cpu", help="device of the experts and compile comparisons (cpu, cuda, cuda:N)")
     ap.add_argument("--bf16", action="store_true", help="experts comparison under bf16 autocast")
     ap.add_argument("--experts-e", type=int, default=64, help="routed experts of the V3-shaped layer")
     ap.add_argument("--experts-top-k", type=int, default=8)
@@ -264,6 +319,8 @@ def main(kind: str | None = None) -> dict | None:
         return dspark_step(args, target, wins, head)
     if kind == "experts":
         return experts_step(args, drafter, head, wins)
+    if kind == "compile":
+        return compile_step(args, drafter, head, wins)
     cfg = TrainConfig(loss="lk_hybrid", k_steps=args.k, window=args.window, micro_batch=args.micro_batch)
     n_train, n_frozen = freeze(drafter, cfg.freeze)
     fast = copy.deepcopy(drafter)  # same weights; the exact shortcuts on (the default)
@@ -275,9 +332,6 @@ def main(kind: str | None = None) -> dict | None:
         vocab = VocabHead.of(ids, head)
         paths |= {"vocab": copy.deepcopy(drafter), "vocab_bf16": copy.deepcopy(drafter),
                   "batched": copy.deepcopy(drafter)}
-        if args.compile:  # train.compile: the batched step with the drafter's layers compiled
-            paths["compiled"] = copy.deepcopy(drafter)
-            compile_layers(paths["compiled"])
     drafter.set_shortcuts(False)  # the reference: transformers' own MoE forward (and the autograd loss)
     opts = {k: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4) for k, d in paths.items()}
     weights = L.position_weights(cfg.k_steps, cfg.gamma)
@@ -286,7 +340,7 @@ def main(kind: str | None = None) -> dict | None:
 
     def full_step(path: str, i: int) -> tuple[int, list[float]]:
         d, opt, toks, losses = paths[path], opts[path], 0, []
-        if path in ("batched", "compiled"):  # the demo's step as train() runs it: the micro batch's windows as one batch
+        if path == "batched":  # the demo's step as train() runs it: the micro batch's windows as one batch
             group = [wins[(i * args.micro_batch + j) % len(wins)] for j in range(args.micro_batch)]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, _ = batch_loss(d, head, group, cfg, weights, vocab=vocab)
@@ -324,11 +378,8 @@ def main(kind: str | None = None) -> dict | None:
                 loss, _ = L.lk_hybrid(q, p[: len(sel)])
                 loss.backward()
 
-    warm = {}
-    for path in paths:  # warm-up, on windows the timed steps do not use (the compiled path compiles here)
-        t0 = time.perf_counter()
+    for path in paths:  # warm-up, on windows the timed steps do not use
         full_step(path, args.steps + 1)
-        warm[path] = time.perf_counter() - t0
     head_only(0)
     t = {path: 0.0 for path in paths}
     losses = {path: [] for path in paths}
@@ -349,8 +400,7 @@ def main(kind: str | None = None) -> dict | None:
                        ("bf16", "new, bf16 autocast (not exact)"),
                        ("vocab", f"new, over {args.draft_vocab} draft tokens"),
                        ("vocab_bf16", f"new, {args.draft_vocab} draft tokens, bf16"),
-                       ("batched", f"  the same, micro batch as one batch"),
-                       ("compiled", f"  the same, layers compiled")):
+                       ("batched", f"  the same, micro batch as one batch")):
         if path not in paths:
             continue
         print(f"{name:<40}{t[path] / args.steps:>10.3f}{tok_s[path]:>12,.1f}{tok_s[path] / tok_s['reference']:>8.2f}")
@@ -376,11 +426,6 @@ def main(kind: str | None = None) -> dict | None:
         db = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(per_window, losses["batched"]))
         print(f"the micro batch of {mb} windows as one batch (train()'s step): tokens/s {tok_s['batched'] / tok_s['vocab_bf16']:.2f}× "
               f"one window at a time; micro-batch losses within {db:.2e} relative (bf16 autocast)")
-    if "compiled" in paths:
-        dc = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["batched"], losses["compiled"]))
-        print(f"the same step with the drafter's layers compiled (train.compile): tokens/s "
-              f"{tok_s['compiled'] / tok_s['batched']:.2f}× the eager step, losses within {dc:.2e} relative; its first "
-              f"step (the compile) {warm['compiled']:.1f} s against {warm['batched']:.1f} s eager")
     return {"s_step": t["new"] / args.steps, "tok_s": tok_s["new"], "peak_mb": peak_rss_mb()}
 
 
