@@ -4,6 +4,8 @@ VENV        ?= .venv
 SERVE_VENV  ?= .venv-serve
 CONFIG      ?= configs/demo.yaml
 PROFILE     ?=
+# pytest-xdist workers of `make test` (2 cores: much of the suite waits on servers and subprocesses)
+TEST_WORKERS ?= 2
 WHEELS      := $(wildcard /opt/wheels)
 PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
@@ -23,7 +25,7 @@ test: envs system-deps
 	@mkdir -p build/images && rm -f build/images/make-test.status
 	@( bash deployments/images.sh > build/images/make-test.log 2>&1; echo $$? > build/images/make-test.status ) &
 	DRAFTER_IMAGES_STATUS=$(abspath build/images/make-test.status) DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) \
-	  $(VPY) -m pytest -q --durations=40 --junitxml=build/test-results.xml tests
+	  $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 --junitxml=build/test-results.xml tests
 
 envs: env serve-env
 

@@ -72,6 +72,29 @@ def server(tmp_path_factory):
         yield s
 
 
+# `make test` runs the suite on 2 pytest-xdist workers, a test file at a time (--dist loadfile, in collection
+# order), so that a module's fixtures are built once; the files of a costly session fixture go to one worker
+# together, which builds it once: the real Prefect server with every deployment (`server`) and the finished store.
+# (xdist's own `loadgroup` groups nothing under pytest 9.2: pytest-xdist issue #1386.)
+SHARED_FIXTURE_GROUPS = {"tests/test_deployments.py": "prefect-server", "tests/test_containers.py": "prefect-server",
+                         "tests/test_card.py": "finished-store", "tests/test_publish.py": "finished-store"}
+
+
 def pytest_collection_modifyitems(config, items):
     """The container tests run last: `make test` builds their images while the other tests run."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_containers.py"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SHARED_FIXTURE_GROUPS: a work unit is a test file, or the files of a shared group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_FIXTURE_GROUPS.get(path, path)
+
+    return SharedFixtureScheduling(config, log)
