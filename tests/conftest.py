@@ -81,7 +81,8 @@ SHARED_FIXTURE_GROUPS = {"tests/test_deployments.py": "prefect-server", "tests/t
 
 
 def pytest_collection_modifyitems(config, items):
-    """The container tests run last: `make test` builds their images while the other tests run."""
+    """The container tests run last (on two workers: last of their group's worker): `make test` builds their
+    images while the other tests run."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_containers.py"))
 
 
