@@ -25,7 +25,7 @@ test: envs system-deps
 	@mkdir -p build/images && rm -f build/images/make-test.status
 	@( bash deployments/images.sh > build/images/make-test.log 2>&1; echo $$? > build/images/make-test.status ) &
 	DRAFTER_IMAGES_STATUS=$(abspath build/images/make-test.status) DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) \
-	  $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 --junitxml=build/test-results.xml tests
+	  $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --junitxml=build/test-results.xml tests
 
 envs: env serve-env
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from drafter.core import procs
-from drafter.serving.server import free_port
+from drafter.core.ports import free_port, group_listens_on
 from drafter.core.errors import DrafterError
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -103,7 +103,7 @@ def prefect_api(timeout_s: float | None = None) -> Iterator[str]:
             port = free_port()
             api = f"http://127.0.0.1:{port}/api"
             proc = procs.spawn(_server_command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
-            while not _healthy(api):
+            while not (_healthy(api) and group_listens_on(port, proc.pid)):  # our server, not one that took the port
                 if proc.poll() is not None:
                     break
                 if time.monotonic() - t0 > limit:

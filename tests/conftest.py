@@ -72,30 +72,80 @@ def server(tmp_path_factory):
         yield s
 
 
-# `make test` runs the suite on 2 pytest-xdist workers, a test file at a time (--dist loadfile, in collection
-# order), so that a module's fixtures are built once; the files of a costly session fixture go to one worker
-# together, which builds it once: the real Prefect server with every deployment (`server`) and the finished store.
-# (xdist's own `loadgroup` groups nothing under pytest 9.2: pytest-xdist issue #1386.)
+# `make test` runs the suite on pytest-xdist workers, a test file at a time (--dist loadfile), so that a module's
+# fixtures are built once per worker; the files of a costly session fixture go to one worker together, which builds
+# it once: the real Prefect server with every deployment (`server`) and the finished store. The scheduler below
+# hands the work units out longest first, by the times of the last measured run (tests/data/test_durations.json,
+# written by `python -m tests.durations`), so that the workers finish together. The order is a pure function of the
+# collection and that file: the same on every run. The container tests run last of their unit: `make test` builds
+# their images meanwhile. (xdist's own `loadgroup` groups nothing under pytest 9.2: pytest-xdist issue #1386.)
 SHARED_FIXTURE_GROUPS = {"tests/test_deployments.py": "prefect-server", "tests/test_containers.py": "prefect-server",
                          "tests/test_card.py": "finished-store", "tests/test_publish.py": "finished-store"}
+LAST_FILES = ("tests/test_containers.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The container tests run last (on two workers: last of their group's worker): `make test` builds their
+    """The container tests run last (on two workers: last of their worker): `make test` builds their
     images while the other tests run."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/test_containers.py"))
+    items.sort(key=lambda item: item.nodeid.startswith(LAST_FILES))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with SHARED_FIXTURE_GROUPS: a work unit is a test file, or the files of a shared group."""
+    """--dist loadfile with SHARED_FIXTURE_GROUPS, the longest work units first (tests/durations.py)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SharedFixtureScheduling(LoadScopeScheduling):
+    from tests.durations import work_order
+
+    class LongestFirstScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return SHARED_FIXTURE_GROUPS.get(path, path)
 
-    return SharedFixtureScheduling(config, log)
+        def schedule(self) -> None:
+            # LoadScopeScheduling.schedule with the work queue in work_order (the indexes sent to a worker stay
+            # those of its own collection)
+            assert self.collection_is_completed
+            if self.collection is not None:
+                for node in self.nodes:
+                    self._reschedule(node)
+                return
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = list(next(iter(self.registered_collections.values())))
+            if not self.collection:
+                return
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            for scope in work_order(units, SHARED_FIXTURE_GROUPS):
+                self.workqueue[scope] = units[scope]
+            for _ in range(len(self.nodes) - len(self.workqueue)):  # more workers than files
+                unused, _assigned = self.assigned_work.popitem()
+                unused.shutdown()
+            for node in self.nodes:
+                self._assign_work_unit(node)
+            for node in self.nodes:
+                self._reschedule(node)
+            if not self.workqueue:
+                for node in self.nodes:
+                    node.shutdown()
+
+        def _reschedule(self, node) -> None:
+            # a worker runs a test once it knows the next one (for teardown), so a file is handed out when the worker
+            # holds one test still to run (xdist's default, two, commits the next long file to a busy worker early)
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return LongestFirstScheduling(config, log)
+
+
+def pytest_configure(config):
+    from tests.durations import RunSummary
+
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) prints the summary
+        config.pluginmanager.register(RunSummary(), "drafter-run-summary")

@@ -219,7 +219,7 @@ def test_an_s3_store_without_credentials_fails_in_preflight_in_one_line(no_aws, 
 
 
 def test_an_s3_store_on_an_unreachable_endpoint_fails_in_preflight_in_one_line(no_aws, tmp_path, monkeypatch):
-    from drafter.serving.server import free_port
+    from drafter.core.ports import free_port
 
     port = free_port()  # nothing listens there
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")

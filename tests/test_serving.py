@@ -228,7 +228,7 @@ def test_a_cpu_engine_gets_every_cpu_and_the_inductor_compile_cache(tmp_path, fa
         assert got == {**want, "LD_PRELOAD": None, "VIRTUAL_ENV": None}
 
 
-def test_server_dying_at_startup_fails_fast_with_log_tail(tmp_path, fake_python):
+def test_server_dying_at_startup_fails_fast_withlog_tail(tmp_path, fake_python):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -243,7 +243,7 @@ def test_server_dying_at_startup_fails_fast_with_log_tail(tmp_path, fake_python)
 def test_url_launcher_uses_running_server_and_stops_nothing(tmp_path, fake_python):
     import subprocess
 
-    from drafter.serving.server import free_port
+    from drafter.core.ports import free_port
 
     port = free_port()
     pids_file = tmp_path / "pids"
@@ -295,7 +295,7 @@ def test_spec_decode_counters_parse_prometheus_text():
 
 
 def test_a_failed_start_leads_with_the_root_cause_found_far_above_the_tail(tmp_path):
-    from drafter.serving.server import _log_tail
+    from drafter.serving.server_log import log_tail
 
     log = tmp_path / "vllm.log"
     wrapper = "(EngineCore pid=7) ERROR 12-01 20:18:52 [core.py:1510]     super().__init__(\n" * 60
@@ -309,7 +309,7 @@ def test_a_failed_start_leads_with_the_root_cause_found_far_above_the_tail(tmp_p
         "(EngineCore pid=7) ERROR 12-01 20:18:52 [core.py:1510] Exception: WorkerProc initialization failed due to an "
         "exception in a background process. See stack trace for root cause.\n"
         + wrapper + "RuntimeError: Engine core initialization failed. See root cause above.\n")
-    text = _log_tail(log, n=5)
+    text = log_tail(log, n=5)
     lines = text.splitlines()
     assert lines[0] == "errors in the log:"
     assert lines[1] == ("  ValueError: Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: "
@@ -318,4 +318,93 @@ def test_a_failed_start_leads_with_the_root_cause_found_far_above_the_tail(tmp_p
     assert lines[-1].startswith("RuntimeError: Engine core")
     plain = tmp_path / "plain.log"
     plain.write_text("one\ntwo\n")
-    assert _log_tail(plain) == "one\ntwo"
+    assert log_tail(plain) == "one\ntwo"
+
+
+def test_servers_started_at_once_on_one_port_all_come_up_on_ports_of_their_own(tmp_path, fake_python, monkeypatch):
+    """Eight servers started at once whose first pick is the same port (the race of a port picked free and bound
+    later, made certain): one binds it, the others fail with 'Address already in use' and start again on a new
+    port; all eight answer at once, and every process of every attempt is gone afterwards."""
+    import threading
+
+    import httpx
+
+    import drafter.serving.server as server_mod
+    from drafter.core import ports
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    shared = ports.free_port()
+    lock, first, picks = threading.Lock(), set(), []
+
+    def pick(host="127.0.0.1"):
+        with lock:
+            port = ports.free_port(host) if threading.get_ident() in first else shared
+            first.add(threading.get_ident())
+            picks.append(port)
+            return port
+
+    monkeypatch.setattr(server_mod, "free_port", pick)
+    n = 8
+    barrier = threading.Barrier(n, timeout=120)
+    urls: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        cfg = ServingConfig(python=str(fake_python), startup_timeout_s=120, env={"FAKE_PIDS": str(tmp_path / f"pids{i}")})
+        try:
+            with serve(model, cfg, log_path=tmp_path / f"server{i}.log") as srv:
+                urls[i] = srv.base_url
+                barrier.wait()  # all eight up at the same time
+                assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
+                barrier.wait()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert len(set(urls.values())) == n and f"http://127.0.0.1:{shared}" in urls.values(), urls
+    assert picks.count(shared) == n and len(picks) >= 2 * n - 1, picks  # seven started again on a port of their own
+    retried = [i for i in range(n) if "was taken before the server bound it" in (tmp_path / f"server{i}.log").read_text()]
+    assert len(retried) == n - 1, retried
+    log = (tmp_path / f"server{retried[0]}.log").read_text()
+    assert "Address already in use" in log and log.count("$ ") == 2, log[-2000:]
+    pids = [int(p) for i in range(n) for p in (tmp_path / f"pids{i}").read_text().split()]
+    assert not _wait_gone(pids), "a server process outlived its block"
+
+
+def test_a_port_the_user_set_is_not_replaced_when_taken(tmp_path, fake_python):
+    """serving.port names the port: taken, the start fails once, naming the bind error (no other port is tried)."""
+    import socket
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = ServingConfig(python=str(fake_python), port=port, startup_timeout_s=60, env={"FAKE_PIDS": str(tmp_path / "p")})
+        with pytest.raises(ServingError, match=r"(?s)exited with code 1.*Address already in use"):
+            with serve(model, cfg, log_path=tmp_path / "server.log"):
+                pass
+    assert (tmp_path / "server.log").read_text().count("$ ") == 1
+
+
+def test_free_port_picks_outside_the_kernels_ephemeral_range():
+    import random
+
+    from drafter.core import ports
+
+    lo, hi = ports.ephemeral_range()
+    rng = random.Random(0)
+    got = [ports.free_port(rng=rng) for _ in range(50)]
+    assert all(not lo <= p <= hi and p >= 10000 for p in got), got
+    assert len(set(got)) > 40
+    assert ports.port_in_use("OSError: [Errno 98] Address already in use") and not ports.port_in_use("CUDA out of memory")

@@ -29,7 +29,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,9 @@ from typing import Iterator
 from drafter.core import procs
 from drafter.core.config import ServingConfig
 from drafter.core.errors import DrafterError
+from drafter.core.ports import BIND_ATTEMPTS, free_port, group_listens_on, port_in_use
 from drafter.core.urls import redact_url
+from drafter.serving.server_log import log_tail
 from drafter.serving.vllm_fixes import COMPILE_MTP_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -183,12 +184,6 @@ def cpu_sampling_fix_missing(python: str | Path | None = None, timeout: float = 
             f"speculative sampling at temperature > 0 (its expand fallback leaves the per-token temperatures unwritten: "
             f"acceptance collapses and the output does not follow the target's distribution). Install it with "
             f"`{py} -m pip install --no-deps -e {REPO_ROOT}` (`make serve-env` does), or measure at temperature 0 only")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def vllm_args(
@@ -341,55 +336,24 @@ def _health_ok(base_url: str, timeout: float = 2.0, headers: dict | None = None)
         return False
 
 
-# the "(Worker pid=…) ERROR 12-01 20:18:49 [file.py:953] " prefix of a vLLM log line
-_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)?")
-_EXCEPTION = re.compile(r"^(?:[\w.]+)?(?:Error|Exception): .+")
-# the engine's wrappers around the real error: not worth a line of their own
-_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed", "See stack trace for root cause")
-
-
-def _root_causes(lines: list[str], most: int = 6) -> list[str]:
-    """The distinct exception lines of a log, in order, minus the engine's wrappers; an exception line
-    ending in ':' (vLLM lists its reasons on the following lines) takes the next two lines along."""
-    bare = [_LOG_PREFIX.sub("", ln).strip() for ln in lines]
-    out: list[str] = []
-    for i, ln in enumerate(bare):
-        if not _EXCEPTION.match(ln) or any(w in ln for w in _WRAPPERS):
-            continue
-        if ln.endswith(":"):
-            ln = " ".join([ln, *[x for x in bare[i + 1:i + 3] if x]])
-        if ln not in out:
-            out.append(ln)
-    return out[:most]
-
-
-def _log_tail(path: Path | None, n: int = 40) -> str:
-    """The last ``n`` lines of a server log, led by the errors found anywhere in it (the root cause of a
-    failed start is often far above the tail, which holds only the engine's wrapper tracebacks)."""
-    if path is None or not Path(path).is_file():
-        return "(no log)"
-    lines = Path(path).read_text(errors="replace").splitlines()
-    causes = _root_causes(lines)
-    head = ["errors in the log:", *(f"  {c}" for c in causes), "last lines:"] if causes else []
-    return "\n".join(head + lines[-n:])
-
-
 def _wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None, log_path: Path | None, what: str,
-                  shown: Path | None = None) -> float:
-    """Wait for ``/health``; errors quote the tail of ``log_path`` and name ``shown`` (default: the same file)."""
+                  shown: Path | None = None, owned_port: int | None = None) -> float:
+    """Wait for ``/health``; errors quote the tail of ``log_path`` and name ``shown`` (default: the same file).
+    With ``owned_port``, an answer counts only once ``proc``'s process group holds that port's listening socket
+    (another server that took the port would answer ``/health`` too)."""
     tail_of, log_path = log_path, shown or log_path
     t0 = time.monotonic()
     while True:
-        if _health_ok(base_url):
+        if _health_ok(base_url) and (owned_port is None or proc is None or group_listens_on(owned_port, proc.pid)):
             return time.monotonic() - t0
         if proc is not None and proc.poll() is not None:
             raise ServingError(
-                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{_log_tail(tail_of)}"
+                f"{what} exited with code {proc.returncode} before becoming healthy; log {log_path}:\n{log_tail(tail_of)}"
             )
         if time.monotonic() - t0 > timeout_s:
             raise ServingError(
                 f"{what} did not answer {redact_url(base_url)}/health within {timeout_s:.0f} s (serving.startup_timeout_s); "
-                f"log {log_path}:\n{_log_tail(tail_of)}"
+                f"log {log_path}:\n{log_tail(tail_of)}"
             )
         time.sleep(1.0)
 
@@ -429,7 +393,6 @@ def serve(
 
     if not (model_dir / "config.json").is_file():
         raise ServingError(f"cannot serve {model_dir}: it has no config.json")
-    port = serving.port or free_port(serving.host)
     if log_path is None:
         fd, tmp_log = tempfile.mkstemp(prefix="vllm-", suffix=".log")
         os.close(fd)
@@ -439,43 +402,85 @@ def serve(
     env = server_env(serving)
     key = api_key(serving)
     if serving.launcher == "subprocess":
-        cmd = subprocess_command(model_dir, serving, port=port, served_model_name=name, speculative_config=speculative_config)
-        version = engine_version(cmd[0])
-        env |= cpu_server_env(cmd[0], serving)
+        py = serving_python(serving)
+        version = engine_version(py)
+        env |= cpu_server_env(py, serving)
         env.pop("VIRTUAL_ENV", None)
         env["PYTHONUNBUFFERED"] = "1"
         what = "vLLM (subprocess)"
     elif serving.launcher == "docker":
-        container = f"drafter-vllm-{os.getpid()}-{port}"
-        cmd = docker_command(model_dir, serving, port=port, served_model_name=name,
-                             speculative_config=speculative_config, container_name=container, gpus=serving.docker_gpus)
         version = serving.docker_image
         what = f"vLLM (docker {serving.docker_image})"
     else:  # pragma: no cover - pydantic restricts the values
         raise ServingError(f"unknown serving.launcher {serving.launcher!r}")
 
-    base = f"http://{serving.host}:{port}"
+    def command(port: int) -> tuple[list[str], str | None]:
+        if serving.launcher == "subprocess":
+            return subprocess_command(model_dir, serving, port=port, served_model_name=name,
+                                      speculative_config=speculative_config), None
+        container = f"drafter-vllm-{os.getpid()}-{port}"
+        return docker_command(model_dir, serving, port=port, served_model_name=name, speculative_config=speculative_config,
+                              container_name=container, gpus=serving.docker_gpus), container
+
     # The server writes to a private file outside the caller's (stage output) directory; it is
     # copied to ``log_path`` once every process of the server is gone. A server that outlived a
     # killed run could otherwise append to a log that a later run has published.
     live_dir = Path(tempfile.mkdtemp(prefix="drafter-serve-"))
     live = live_dir / "server.log"
-    with open(live, "ab") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        log.flush()
-        t0 = time.monotonic()
-        proc = procs.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_healthy(base, serving.startup_timeout_s, proc, live, what, shown=log_path)
-        yield Server(base_url=base, model=name, engine="vllm", engine_version=version, log_path=log_path,
-                     startup_s=round(time.monotonic() - t0, 2), pid=proc.pid, api_key=key)
+        proc, container, base, t0 = _start_engine(command, serving, env, live, what, log_path)
+        try:
+            yield Server(base_url=base, model=name, engine="vllm", engine_version=version, log_path=log_path,
+                         startup_s=round(time.monotonic() - t0, 2), pid=proc.pid, api_key=key)
+        finally:
+            _stop_server(proc, container)
     finally:
-        if serving.launcher == "docker":
-            subprocess.run(["docker", "stop", "-t", "10", container], capture_output=True, timeout=60)
-        procs.stop(proc)
-        with open(log_path, "ab") as dst, open(live, "rb") as src:
-            shutil.copyfileobj(src, dst)
+        if live.is_file():
+            with open(log_path, "ab") as dst, open(live, "rb") as src:
+                shutil.copyfileobj(src, dst)
         shutil.rmtree(live_dir, ignore_errors=True)
+
+
+def _start_engine(command, serving: ServingConfig, env: dict, live: Path, what: str,
+                  log_path: Path) -> tuple[subprocess.Popen, str | None, str, float]:
+    """Start ``command(port)`` (its output appended to ``live``) and wait until it answers; returns ``(process,
+    container or None, base URL, start time)``. A port picked here is bound by the server seconds later: another
+    process may take it in between (drafter/core/ports.py); the start is then retried on a new port — never a port
+    the user set. A failed start leaves no process behind."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        port = serving.port or free_port(serving.host)
+        cmd, container = command(port)
+        base = f"http://{serving.host}:{port}"
+        with open(live, "ab") as log:
+            started_at = log.tell()
+            log.write(f"$ {shlex.join(cmd)}\n".encode())
+            log.flush()
+            t0 = time.monotonic()
+            proc = procs.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_healthy(base, serving.startup_timeout_s, proc, live, what, shown=log_path,
+                          owned_port=port if container is None else None)  # a container's port: its engine's proxy
+            return proc, container, base, t0
+        except BaseException:
+            retry = not serving.port and attempt < BIND_ATTEMPTS and proc.poll() is not None
+            _stop_server(proc, container)
+            if not retry:
+                raise
+            with open(live, "rb") as f:
+                f.seek(started_at)
+                if not port_in_use(f.read().decode(errors="replace")):
+                    raise
+            with open(live, "ab") as log:
+                log.write(f"drafter: port {port} was taken before the server bound it; starting again on a new "
+                          f"port (attempt {attempt + 1} of {BIND_ATTEMPTS})\n".encode())
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _stop_server(proc: subprocess.Popen, container: str | None) -> None:
+    """Stop a started server: its container first (launcher=docker), then its process group."""
+    if container:
+        subprocess.run(["docker", "stop", "-t", "10", container], capture_output=True, timeout=60)
+    procs.stop(proc)
 
 
 def _first_model(base_url: str, headers: dict | None = None) -> str | None:

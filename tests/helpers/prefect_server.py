@@ -12,11 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import httpx
-import pytest
 
 from drafter.core import procs
-from drafter.serving.server import free_port
+from tests.helpers.servers import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -25,26 +23,17 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 @contextmanager
 def prefect_server(home: Path) -> Iterator[dict]:
     """A real Prefect server (its own PREFECT_HOME and SQLite database), the pools and the deployments."""
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # the UI calls the API at these (not at --port): set them, or it calls 4200
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")
-    proc = procs.spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                       stdout=log, stderr=subprocess.STDOUT)
+    def command(port: int) -> tuple[list[str], dict]:
+        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               # the UI calls the API at these (not at --port): set them, or it calls 4200
+               "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
+        env.pop("PREFECT_API_URL", None)
+        return [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env
+
+    proc, port = start_server(command, home / "server.log", what="prefect server", timeout_s=180, health="/api/health")
+    env = command(port)[1]
     api = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(api + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
-            time.sleep(1)
         client_env = {**env, "PREFECT_API_URL": api, "DRAFTER_HOME": str(ROOT), "PREFECT": PREFECT}
         t0 = time.monotonic()
         subprocess.run(["bash", str(ROOT / "deployments" / "work-pools.sh")], env=client_env, cwd=ROOT, check=True,
@@ -58,7 +47,6 @@ def prefect_server(home: Path) -> Iterator[dict]:
         yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": client_env, "home": home}
     finally:
         procs.stop(proc)
-        log.close()
 
 
 def run_worker_once(env: dict, cwd: Path) -> None:

@@ -1,0 +1,26 @@
+"""The order `make test` hands test files to its workers (longest first, by the last measured run) and the
+per-file times read from a run's junit XML (tests/durations.py)."""
+from __future__ import annotations
+
+from tests.durations import durations_from_junit, work_order
+
+
+def test_units_go_longest_first_with_groups_summed_and_unmeasured_files_as_the_median():
+    known = {"tests/a.py": 10.0, "tests/b.py": 50.0, "tests/x.py": 30.0, "tests/y.py": 25.0}
+    groups = {"tests/x.py": "g", "tests/y.py": "g"}
+    units = {"tests/a.py", "tests/b.py", "tests/c.py", "g"}
+    # g = 30 + 25, c unmeasured = median(10, 50, 30, 25) = 27.5
+    assert work_order(units, groups, known) == ["g", "tests/b.py", "tests/c.py", "tests/a.py"]
+    assert work_order(units, groups, known) == work_order(sorted(units, reverse=True), groups, known)  # order-free
+    assert work_order({"tests/b.py", "tests/a.py"}, None, {}) == ["tests/a.py", "tests/b.py"]  # nothing measured: names
+
+
+def test_junit_times_are_summed_per_file(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite>'
+                   '<testcase classname="tests.test_durations" name="a" time="1.25"/>'
+                   '<testcase classname="tests.test_durations" name="b" time="2.5"/>'
+                   '<testcase classname="tests.test_store" name="c" time="4"/>'
+                   '<testcase classname="tests.nowhere" name="d" time="9"/>'
+                   '</testsuite></testsuites>')
+    assert durations_from_junit(xml) == {"tests/test_durations.py": 3.8, "tests/test_store.py": 4.0}
