@@ -70,7 +70,7 @@ class ServingConfig(Section):
     docker_gpus: str | None = Operational("all", description="launcher=docker: the `--gpus` value (`all`, `device=0,1`); "
                                           "null for a CPU image (deployments/Dockerfile.serving).")
     host: str = Operational("127.0.0.1", description="Address the server binds to.")
-    port: int = Operational(0, ge=0, le=65535, description="Port; 0 picks a free one.")
+    port: int = Operational(0, ge=0, le=65535, description="Port; 0 picks a free one (and another if it is taken before the server binds it).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Model dtype inside the engine.")
     max_model_len: int = Field(2048, ge=64, description="Engine context length.")
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (CPU engine starts in ~25 s instead of ~100 s).")
