@@ -262,3 +262,58 @@ def test_the_hub_champion_is_the_branch_head_release_checked_by_sha256(tmp_path)
                        log=lambda *_: None)
         with pytest.raises(StageError, match="sha256 .* its release.json says 0000"):
             champion_from_hub(c, TOKEN, tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------- the retrain flow's branches
+
+
+def test_the_retrain_flow_keeps_the_champion_publishing_nothing(prefect_harness, tmp_path, monkeypatch):
+    """drafter_prefect/retrain.py when the challenge loses (the real flow on real traffic, store and ledger;
+    faked: the champion lookup and the stage runs, whose numbers are given): one run of the challenge stages
+    with the champion as the baseline, no second run (no gate, no publish), the decision with both sets of
+    numbers in the store's record, one `champion-kept` event, the traffic used up. The same flow through a
+    worker with real stages and a real Hub, a candidate that wins: tests/test_deployments.py (nightly)."""
+    import drafter_prefect.retrain as flow_mod
+    from drafter.release.champion import Champion
+
+    weights = tmp_path / "champ" / "mtp-trained.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"champion weights")
+    champ = Champion("champ0123456789a", "hub org/x@abc", {"release_id": "champ0123456789a", "files": []}, weights,
+                     hashlib.sha256(b"champion weights").hexdigest())
+    runs: list[dict] = []
+    events: list[tuple] = []
+
+    def fake_release(config, stages=None):
+        runs.append({"stages": stages, "baseline": config.baseline.model_dump()})
+        return {"run_id": f"run{len(runs)}", "status": "completed", "computed": [], "stages": []}
+
+    monkeypatch.setattr(flow_mod, "find_champion", lambda cfg, store, warn=None: champ)
+    monkeypatch.setattr(flow_mod, "release", fake_release)
+    # the challenge measured the candidate below the champion offline; no live A/B (transformers serving)
+    monkeypatch.setattr(flow_mod, "_challenge_inputs", lambda cfg, store: (
+        None, ev([1.0, 1.20, 1.3], [1.0, 1.10, 1.2]), "serving.backend is 'transformers'"))
+    monkeypatch.setattr(flow_mod, "emit_release_event", lambda kind, name, payload: events.append((kind, name, payload)))
+
+    (tmp_path / "traffic").mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"Day 3: tell me about the number {i}."}]} for i in range(4)]
+    (tmp_path / "traffic" / "day3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"name": "demo", "store": {"root": str(tmp_path / "store")}, "ab_live": {"num_speculative_tokens": 2},
+              "gate": {"force": True}, "retrain": {"min_new_rows": 3, "start_from": "released"}}
+    result = flow_mod.retrain(config=config, traffic=[str(tmp_path / "traffic" / "*.jsonl")])
+
+    assert result["status"] == KEPT and result["decision"] == KEPT and result["new_rows"] == 4
+    assert runs == [{"stages": ["eval_offline", "ab_live"], "baseline": runs[0]["baseline"]}], runs  # no publish run
+    b = runs[0]["baseline"]
+    assert (b["weights"], b["sha256"], b["release_id"], b["init"]) == (str(weights), champ.sha256, champ.release_id,
+                                                                      False)  # start_from: released
+    (d,) = [json.loads(x) for x in (tmp_path / "store" / "records" / "retrain-decisions.jsonl").read_text().splitlines()]
+    assert d["decision"] == KEPT and d["winner"] == "champion" and d["challenge_run"] == "run1" and "release_run" not in d
+    assert d["champion"] == {"release_id": champ.release_id, "source": "hub org/x@abc", "tau_offline": 1.2,
+                             "tau_live": None, "tok_s_c1": None}
+    assert d["candidate"]["tau_offline"] == 1.1 and any("1.1000 ≤ champion 1.2000" in r for r in d["reasons"])
+    ((kind, name, payload),) = events
+    assert (kind, name) == ("champion-kept", "demo")
+    assert payload["champion"] == d["champion"] and payload["candidate"] == d["candidate"]
+    assert payload["challenge_run"] == "run1" and payload["reasons"] == d["reasons"]
+    assert len((tmp_path / "store" / "records" / "traffic-seen.txt").read_text().split()) == 4
