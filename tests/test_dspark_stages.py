@@ -123,7 +123,8 @@ def test_too_few_conversations_for_a_calibration_slice_train_on_all(dspark_store
 
     cfg, _, found, _ = dspark_store
     said = []
-    res = run_dspark_training(target_dir(found["prepare_target"]), found["capture"], cfg.train, cfg.dspark,
+    one_step = cfg.train.model_copy(update={"max_steps": 1, "eval_every": 1})  # which windows train: not how long
+    res = run_dspark_training(target_dir(found["prepare_target"]), found["capture"], one_step, cfg.dspark,
                               tmp_path / "o", weights=found["bootstrap_drafter"].path / DSPARK_DIR,
                               calibration_fraction=1e-9, log=said.append)
     layers = [i + 1 for i in cfg.dspark.target_layer_ids]
@@ -187,7 +188,9 @@ def test_offline_block_evaluation_on_the_users_heldout_file(dspark_store, tmp_pa
     f.write_text("".join(json.dumps({k: r[k] for k in ("id", "domain", "messages")}) + "\n" for r in held))
     out = tmp_path / "out"
     out.mkdir()
-    eval_offline.run(config_from_dict(cfg.model_dump() | {"heldout": {"files": [str(f)]}}), found, out)
+    # the τ compared, not the intervals or the cost (measured by the store's own run): fewer resamples, a set cost
+    ev = cfg.eval_offline.model_dump() | {"bootstrap_samples": 10, "draft_cost": 0.25}
+    eval_offline.run(config_from_dict(cfg.model_dump() | {"heldout": {"files": [str(f)]}, "eval_offline": ev}), found, out)
     res = json.loads((out / "eval_offline.json").read_text())
     assert res["heldout"]["source"] == "files" and res["heldout"]["conversations"] == len(held) == built["heldout"]["conversations"]
     assert res["heldout"]["text"].startswith(f"user held-out files held.jsonl ({len(held)} conversations, sha256 ")

@@ -2,7 +2,8 @@
 local Prefect API server): the terminal shows Prefect's progress lines but exactly one `error: …` line and no
 traceback; the traceback goes to the log file that line names; the exit code follows the error's own class
 (2 for bad input and permission errors, also when a stage raised it and the flow wrapped it), and nothing
-partial is left in the store. (tests/test_bad_input.py covers what preflight refuses before the flow.)"""
+partial is left in the store. (tests/test_bad_input.py covers what preflight refuses before the flow; the tampered
+store's refusal, which comes before Prefect starts, runs `drafter release` in process.)"""
 from __future__ import annotations
 
 import ctypes
@@ -55,6 +56,12 @@ def one_error_line(r: subprocess.CompletedProcess, code: int, *needles: str) -> 
     return line
 
 
+def config(tmp_path: Path, ckpt: Path, **sections) -> Path:
+    """tests/test_bad_input.py's config with quantize_exl3 off: every plan (each `drafter` process) would otherwise
+    probe this interpreter for CUDA in a subprocess of its own, for a stage none of these runs reaches."""
+    return write_config(tmp_path, ckpt, quantize_exl3={"enabled": False}, **sections)
+
+
 # ------------------------------------------------------------------------------------- a store the user cannot write
 
 
@@ -97,7 +104,7 @@ def test_stage_directory_not_writable_refused_once_named_exit_2(tmp_path, ckpt, 
     stage_dir = store / "prepare_target"
     stage_dir.mkdir(parents=True)
     stage_dir.chmod(0o500)
-    c = write_config(tmp_path, ckpt)
+    c = config(tmp_path, ckpt)
     try:
         r = drafter("-c", c, "--stage", "prepare_target", cwd=tmp_path, prefect_home=prefect_home, preexec_fn=preexec)
     finally:
@@ -128,7 +135,7 @@ def test_bad_input_raised_by_a_stage_exits_2_with_one_line(tmp_path, ckpt, prefe
     same error before the flow, one line with its message, no traceback, not retried, nothing partial left.
     Today: exit 1 (the flow's RuntimeError decided) and Prefect's tracebacks on the terminal."""
     store = tmp_path / "store"
-    c = write_config(tmp_path, ckpt)
+    c = config(tmp_path, ckpt)
     r = drafter("-c", c, "--stage", "prepare_target", cwd=tmp_path, prefect_home=prefect_home, code=RAISE_IN_STAGE)
     one_error_line(r, 2, f"prepare_target.path: {ckpt} holds no weights", "failed at prepare_target")
     assert "Retry" not in r.stdout + r.stderr
@@ -138,15 +145,24 @@ def test_bad_input_raised_by_a_stage_exits_2_with_one_line(tmp_path, ckpt, prefe
 # ------------------------------------------------------------------------------------- a corrupt store file
 
 
-def test_tampered_store_output_is_found_before_the_flow_in_one_line(tmp_path, ckpt, prefect_home):
+def test_tampered_store_output_is_found_before_the_flow_in_one_line(tmp_path, ckpt, monkeypatch):
     """An output whose file has the right size but not its sha256: preflight verifies the outputs it finds
     (once per process: the flow does not hash them again), so the run stops before the flow starts — exit 1 (an
-    inconsistent store), one line naming the file and what to do, no traceback."""
-    c = write_config(tmp_path, ckpt)
+    inconsistent store), one line naming the file and what to do, no traceback. (`drafter release` in process:
+    it stops in its checks, before any Prefect server or flow; the subprocess path of the one error line is the
+    other tests'.)"""
+    from drafter_prefect import api_server
+    from tests.test_bad_input import cli
+
+    def no_server(*a, **k):
+        raise AssertionError("a Prefect API server was started for a run its checks refused")
+
+    monkeypatch.setattr(api_server, "prefect_api", no_server)
+    c = config(tmp_path, ckpt)
     d = _fake_output(tmp_path / "store", load_config(c), "prepare_target", {"target.json": b"{}"})
-    r = drafter("-c", c, "--stage", "prepare_target", cwd=tmp_path, prefect_home=prefect_home)
-    terminal = r.stdout + r.stderr
-    assert r.returncode == 1, terminal[-4000:]
+    r = cli("release", "-c", c, "--stage", "prepare_target")
+    terminal = r.output
+    assert r.exit_code == 1, terminal[-4000:]
     assert "Traceback" not in terminal and "Beginning flow run" not in terminal, terminal[-4000:]
     errors = [ln for ln in terminal.splitlines() if ln.startswith("error:")]
     assert errors == [r.stderr.rstrip().splitlines()[-1]], terminal[-4000:]
@@ -160,7 +176,7 @@ def test_tampered_store_output_is_found_before_the_flow_in_one_line(tmp_path, ck
 def test_missing_deployments_name_prefect_api_url_and_the_deploy_command(tmp_path, ckpt, prefect_home):
     """runner: containers without PREFECT_API_URL: the run's temporary server has no deployments; the one line
     names them, PREFECT_API_URL and the deploy command; exit 2; no traceback."""
-    c = write_config(tmp_path, ckpt, runner={"kind": "containers"})
+    c = config(tmp_path, ckpt, runner={"kind": "containers"})
     r = drafter("-c", c, "--stage", "prepare_target", cwd=tmp_path, prefect_home=prefect_home)
     one_error_line(r, 2, "stage-prepare-target/docker", "PREFECT_API_URL",
                    "prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml")

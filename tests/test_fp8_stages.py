@@ -60,12 +60,21 @@ def _cfg(rule="float32", vllm=False):
                                 "verify_fp8": c.verify_fp8.model_copy(update={"vllm_load": vllm})})
 
 
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    """quantize_fp8 run once per rule on ``tiny`` (read-only: a test that changes it works on a copy):
+    ``rule -> (metrics, out)``."""
+    done = {}
+    for rule in ("float32", "ue8m0"):
+        out = tmp_path_factory.mktemp(f"q-{rule}")
+        done[rule] = quantize_fp8.STAGE.run(_cfg(rule), _inputs(tiny), out), out
+    return done
+
+
 @pytest.mark.parametrize("rule", ["float32", "ue8m0"])
-def test_quantize_then_verify(tiny, tmp_path, rule):
+def test_quantize_then_verify(tiny, quantized, tmp_path, rule):
     cfg = _cfg(rule)
-    q_out = tmp_path / "q"
-    q_out.mkdir()
-    m = quantize_fp8.STAGE.run(cfg, _inputs(tiny), q_out)
+    m, q_out = quantized[rule]
     assert m["release"] == "stand-in" and m["rule"] == rule
     assert m["block"] == ("128x128" if rule == "float32" else "32x32")
     assert m["fp8_tensors"] == 4  # q/k/v/o moved in training; experts frozen (kept), shared experts kept too
@@ -86,11 +95,12 @@ def test_quantize_then_verify(tiny, tmp_path, rule):
     assert "Part 1" in (v_out / "verify.md").read_text()
 
 
-def test_verify_fails_on_a_tampered_release(tiny, tmp_path):
+def test_verify_fails_on_a_tampered_release(tiny, quantized, tmp_path):
+    import shutil
+
     cfg = _cfg("float32")
     q_out = tmp_path / "q"
-    q_out.mkdir()
-    quantize_fp8.STAGE.run(cfg, _inputs(tiny), q_out)
+    shutil.copytree(quantized["float32"][1], q_out)  # the stage's output, then one byte of it changed
     shard = q_out / "release" / "model-mtp-fp8.safetensors"
     ts = load_file(str(shard))
     name = "model.layers.2.mlp.experts.0.down_proj.weight"

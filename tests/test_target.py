@@ -99,16 +99,31 @@ def test_tiny_target_has_the_served_format_and_loads(tiny_target, tmp_path):
 
 @pytest.fixture(scope="module")
 def embedded_stage_out(tmp_path_factory):
-    """The prepare_target stage run on the embedded default (SmolLM2 from the GGUF), float32."""
-    from drafter.stages.prepare_target import STAGE
+    """The prepare_target stage run on the embedded default (SmolLM2 from the GGUF), float32; with the
+    ``(model, tokenizer)`` its own ``load_original`` call returned, which the module's other tests reuse
+    (dequantizing the GGUF is most of a stage run: done once here)."""
+    import drafter.stages.prepare_target as pt
+
+    loaded = []
+    real = pt.load_original
+
+    def recording(gguf=None):
+        loaded.append(real(gguf))
+        return loaded[-1]
 
     out = tmp_path_factory.mktemp("prepare_target")
-    metrics = STAGE.run(ReleaseConfig(), {}, out)
-    return out, metrics
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pt, "load_original", recording)
+    try:
+        metrics = pt.STAGE.run(ReleaseConfig(), {}, out)
+    finally:
+        mp.undo()
+    assert len(loaded) == 1
+    return out, metrics, loaded[0]
 
 
 def test_embedded_target_logits_parity(embedded_stage_out):
-    out, metrics = embedded_stage_out
+    out, metrics, _ = embedded_stage_out
     parity = json.loads((out / "parity.json").read_text())
     print(f"\nembedded target parity: max |Δlogit| = {parity['max_abs_dlogit']:.3g}, "
           f"mean = {parity['mean_abs_dlogit']:.3g} over {parity['tokens']} tokens (logit scale {parity['original_logit_absmax']:.1f})")
@@ -121,23 +136,23 @@ def test_embedded_target_logits_parity(embedded_stage_out):
 
 def test_parity_check_detects_a_wrong_recipe(embedded_stage_out, tmp_path):
     """The parity check can fail: the GLM-4-MoE default half rotary (partial_rotary_factor 0.5) breaks it."""
-    import shutil
-
-    out, _ = embedded_stage_out
+    out, _, (original, _) = embedded_stage_out
     bad = tmp_path / "half-rotary"
-    shutil.copytree(out / "model", bad)
-    cfg = json.loads((bad / "config.json").read_text())
+    bad.mkdir()
+    for f in (out / "model").iterdir():  # the written checkpoint, its weights linked, its config.json edited
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    cfg = json.loads((out / "model" / "config.json").read_text())
     cfg["rope_parameters"]["partial_rotary_factor"] = 0.5
     cfg["partial_rotary_factor"] = 0.5
     (bad / "config.json").write_text(json.dumps(cfg))
-    good = load_reexpressed(out / "model")  # logits-identical to the original (test above), quicker to load
-    parity = logits_parity(good, bad, 32)
+    parity = logits_parity(original, bad, 32)
     print(f"\nwith half rotary: max |Δlogit| = {parity['max_abs_dlogit']:.3g}")
     assert parity["max_abs_dlogit"] > 0.1
 
 
 def test_embedded_stage_writes_target_json(embedded_stage_out):
-    out, _ = embedded_stage_out
+    out, _, _ = embedded_stage_out
     info = target_info(out)
     assert info["source"] == "embedded" and info["model_dir"] == "model"
     assert info["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["revision"].startswith("gguf:")
@@ -152,13 +167,18 @@ def test_embedded_stage_writes_target_json(embedded_stage_out):
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
 
 
-def test_embedded_target_as_llama_keeps_the_originals_logits(tmp_path):
+def test_embedded_target_as_llama_keeps_the_originals_logits(embedded_stage_out, tmp_path, monkeypatch):
     """``architecture: llama`` (an EAGLE-3 head's target): SmolLM2 written as the Llama it is, untied LM head, one
-    safetensors file; the parity check through the files on disk holds as for the GLM-4-MoE form."""
-    from drafter.stages.prepare_target import STAGE
+    safetensors file; the parity check through the files on disk holds as for the GLM-4-MoE form. (The stage's
+    ``load_original`` gives the original the GLM-4-MoE stage run above dequantized from the same GGUF.)"""
+    import drafter.stages.prepare_target as pt
 
+    original = embedded_stage_out[2]
+    asked = []
+    monkeypatch.setattr(pt, "load_original", lambda gguf=None: asked.append(gguf) or original)
     cfg = ReleaseConfig(prepare_target={"architecture": "llama"})
-    metrics = STAGE.run(cfg, {}, tmp_path)
+    metrics = pt.STAGE.run(cfg, {}, tmp_path)
+    assert asked == [find_embedded_gguf()]
     parity = json.loads((tmp_path / "parity.json").read_text())
     assert parity["ok"] is True and parity["max_abs_dlogit"] <= 1e-4 and parity["argmax_agreement"] == 1.0
     info = target_info(tmp_path)
