@@ -23,13 +23,10 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 @contextmanager
 def prefect_server(home: Path) -> Iterator[dict]:
     """A real Prefect server (its own PREFECT_HOME and SQLite database), the pools and the deployments."""
-    ca = _one_ca_file(home)
-
     def command(port: int) -> tuple[list[str], dict]:
         env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                # the UI calls the API at these (not at --port): set them, or it calls 4200
-               "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
-               "PREFECT_API_SSL_CERT_FILE": str(ca)}
+               "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
         env.pop("PREFECT_API_URL", None)
         return [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env
 
@@ -50,22 +47,6 @@ def prefect_server(home: Path) -> Iterator[dict]:
         yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": client_env, "home": home}
     finally:
         procs.stop(proc)
-
-
-def _one_ca_file(home: Path) -> Path:
-    """A CA file of one certificate (the first of certifi's bundle) for PREFECT_API_SSL_CERT_FILE. The API
-    here is plain http://127.0.0.1, so the CAs are never used, but every Prefect client (`get_client`, ~5 per
-    deployment in `prefect deploy --all`, and each CLI call, worker and flow run) builds an SSL context from
-    that file (else from certifi's whole bundle: 60-130 ms each on 2 busy cores, against 3 ms; ~177 clients, 10-20 s,
-    in the deploy)."""
-    import re
-
-    import certifi
-
-    pem = re.search(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----\n", Path(certifi.where()).read_text(), re.S)
-    path = home / "one-ca.pem"
-    path.write_text(pem.group(0))
-    return path
 
 
 def run_worker_once(env: dict, cwd: Path) -> None:
