@@ -4,14 +4,17 @@
   measured run, written from that run's junit XML: ``python -m tests.durations build/test-results.xml``.
 - :func:`work_order`: the work units longest first (the longest-processing-time rule: the workers finish close
   together); a file not measured yet counts as the median file.
-- :class:`RunSummary`: at the end of every run, the slowest tests and files, each worker's busy time and the
-  run's wall time (the controller's view of every worker's reports).
+- :class:`RunSummary`: at the end of every run, the slowest tests and files, each worker's busy time, the
+  run's wall time (the controller's view of every worker's reports) and how busy the machine's cores were
+  (``/proc/stat``), overall and per 5 minutes: where they sat idle, more workers could run.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -58,14 +61,57 @@ def durations_from_junit(xml_path: Path) -> dict[str, float]:
     return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
+def cpu_times(stat: str | None = None) -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores from ``/proc/stat``'s ``cpu`` line (idle = idle + iowait);
+    None where there is no /proc/stat."""
+    try:
+        line = (stat if stat is not None else Path("/proc/stat").read_text()).splitlines()[0].split()
+        values = [float(v) for v in line[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, IndexError, ValueError):
+        return None
+    total = sum(values)
+    return total - values[3] - values[4], total
+
+
+def busy_share(a: tuple[float, float] | None, b: tuple[float, float] | None) -> float | None:
+    """The share of core time that was busy between two :func:`cpu_times` readings."""
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1])
+
+
+class CoreUsage:
+    """Reads :func:`cpu_times` every ``every_s`` seconds on a daemon thread: the cores' busy share over the
+    whole run and per window."""
+
+    def __init__(self, every_s: float = 300.0) -> None:
+        self.samples = [cpu_times()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.samples.append(cpu_times())
+
+    def stop(self) -> tuple[float | None, list[float | None]]:
+        """(overall busy share, busy share per window)."""
+        self._stop.set()
+        self.samples.append(cpu_times())
+        windows = [busy_share(a, b) for a, b in zip(self.samples, self.samples[1:])]
+        return busy_share(self.samples[0], self.samples[-1]), windows
+
+
 class RunSummary:
-    """Prints, after pytest's own summary: the slowest tests and files, each worker's busy time, the wall time."""
+    """Prints, after pytest's own summary: the slowest tests and files, each worker's busy time, the wall time and
+    the cores' busy share (:class:`CoreUsage`)."""
 
     def __init__(self, top: int = 15) -> None:
         self.top = top
         self.t0 = time.monotonic()
         self.tests: dict[str, float] = defaultdict(float)
         self.worker_of: dict[str, str] = {}
+        self.cores = CoreUsage()
 
     def pytest_runtest_logreport(self, report) -> None:
         self.tests[report.nodeid] += report.duration
@@ -91,6 +137,10 @@ class RunSummary:
         tr.write_line("workers busy: " + ", ".join(f"{w} {s / 60:.1f} min" for w, s in sorted(busy.items())))
         tr.write_line(f"tests: {len(self.tests)}, {sum(self.tests.values()) / 60:.1f} min of test time in "
                       f"{wall / 60:.1f} min wall")
+        overall, windows = self.cores.stop()
+        if overall is not None:
+            per = " ".join("-" if w is None else f"{100 * w:.0f}" for w in windows)
+            tr.write_line(f"cores busy: {100 * overall:.0f} % of {os.cpu_count()} over the run; per 5 min: {per}")
 
 
 def main(argv: list[str]) -> int:

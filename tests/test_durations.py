@@ -2,7 +2,7 @@
 per-file times read from a run's junit XML (tests/durations.py)."""
 from __future__ import annotations
 
-from tests.durations import durations_from_junit, work_order
+from tests.durations import busy_share, cpu_times, durations_from_junit, work_order
 
 
 def test_units_go_longest_first_with_groups_summed_and_unmeasured_files_as_the_median():
@@ -24,3 +24,12 @@ def test_junit_times_are_summed_per_file(tmp_path):
                    '<testcase classname="tests.nowhere" name="d" time="9"/>'
                    '</testsuite></testsuites>')
     assert durations_from_junit(xml) == {"tests/test_durations.py": 3.8, "tests/test_store.py": 4.0}
+
+
+def test_the_cores_busy_share_counts_idle_and_iowait_as_idle():
+    a = cpu_times("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
+    b = cpu_times("cpu  250 10 90 900 70 5 5 0 0 0\n")
+    assert a == (150.0, 1000.0) and b == (360.0, 1330.0)
+    assert busy_share(a, b) == (360 - 150) / (1330 - 1000)  # 210 busy of 330
+    assert busy_share(a, a) is None and busy_share(None, b) is None
+    assert cpu_times("") is None and cpu_times("cpu x") is None
