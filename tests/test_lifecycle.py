@@ -149,11 +149,11 @@ def _write_config(path: Path, target: Path, store: Path) -> Path:
         "store": {"root": str(store)},
         "prepare_target": {"source": "path", "path": str(target)},
         "serving": {"backend": "vllm", "dtype": "float32", "max_model_len": 1024},
-        # 16 prompts (1 held out): 8 generate shards, ~10 capture shards, ~16 training windows; 6 steps with a
-        # checkpoint every 2: each stage has shards (steps) still to go when the first one is written
+        # 16 prompts (1 held out): 8 generate shards, ~10 capture shards, ~30 training windows of 32 tokens; 6 steps
+        # with a checkpoint every 2: each stage has shards (steps) still to go when the first one is written
         "generate": {"num_prompts": 16, "max_tokens": 16, "shard_size": 2, "concurrency": 2},
         "capture": {"shard_tokens": 128, "batch_tokens": 128, "layers": [0, 1, 2, 3]},
-        "train": {"k_steps": 2, "window": 64, "micro_batch": 2, "max_steps": 6, "warmup_steps": 1,
+        "train": {"k_steps": 2, "window": 32, "micro_batch": 2, "max_steps": 6, "warmup_steps": 1,
                   "checkpoint_every": 2, "eval_every": 100, "eval_windows": 2},
         "retries": 0,
     }))
@@ -185,8 +185,11 @@ def lifecycle(tmp_path_factory):
     if not Path(serving_python()).exists():
         pytest.fail(f"serving env python {serving_python()} is missing: run `make env` (these tests need vLLM)")
     base = tmp_path_factory.mktemp("lifecycle")
-    target = make_tiny_target(base / "target", num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=4,
-                              num_kv_heads=2, head_dim=128)
+    # hidden 256 (not conftest's small_target, 512): the frozen embeddings and LM head (49,152 tokens) dominate
+    # capture's and train's compute; at 256 each capture shard and each train step still takes long enough
+    # (hundreds of ms on 2 cores) for the 50 ms catch poll to find every stage mid-way
+    target = make_tiny_target(base / "target", num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4,
+                              num_kv_heads=2, head_dim=64)
     home, store, log = base / "prefect-home", base / "reference", base / "reference.log"
     assert not home.exists()
     cfg = _write_config(base / "reference.yaml", target, store)
