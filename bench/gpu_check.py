@@ -566,22 +566,24 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     exact_float32(gpu)
     shape = DRY if args.dry_run else DEMO
+    checks = {"mtp": lambda: check_mtp(gpu, shape, args.steps), "compile": lambda: check_compile(gpu, shape, args.steps),
+              "train": lambda: check_train(gpu, shape),
+              "dspark": lambda: check_dspark(gpu, shape), "fp8": lambda: check_fp8(gpu, big=not args.dry_run),
+              "v3": lambda: check_v3(gpu, args.dry_run, 128 if args.dry_run else args.v3_window, args.steps),
+              "torchrun": lambda: check_torchrun(gpu)}
+    names = [s.strip() for s in args.only.split(",") if s.strip()]
+    for name in names:  # refused before any check runs: a typo costs no measurement
+        if name not in checks:
+            print(f"gpu_check: unknown check {name!r}; known: {', '.join(checks)}", file=sys.stderr)
+            return 2
     import transformers
 
     header = (f"GPU check {time.strftime('%Y-%m-%d %H:%M')}: torch {torch.__version__}, transformers "
               f"{transformers.__version__}, " + (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
                                                  if gpu.type == "cuda" else "dry run: the CPU stands in for the GPU"))
     print(header, flush=True)
-    checks = {"mtp": lambda: check_mtp(gpu, shape, args.steps), "compile": lambda: check_compile(gpu, shape, args.steps),
-              "train": lambda: check_train(gpu, shape),
-              "dspark": lambda: check_dspark(gpu, shape), "fp8": lambda: check_fp8(gpu, big=not args.dry_run),
-              "v3": lambda: check_v3(gpu, args.dry_run, 128 if args.dry_run else args.v3_window, args.steps),
-              "torchrun": lambda: check_torchrun(gpu)}
     rows: list[dict] = []
-    for name in [s.strip() for s in args.only.split(",") if s.strip()]:
-        if name not in checks:
-            print(f"gpu_check: unknown check {name!r}; known: {', '.join(checks)}", file=sys.stderr)
-            return 2
+    for name in names:
         t0 = time.perf_counter()
         try:
             got = [c.row() for c in checks[name]()]

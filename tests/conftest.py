@@ -147,5 +147,10 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_configure(config):
     from tests.durations import RunSummary
 
+    if hasattr(config, "workerinput"):  # an xdist worker: torch gets its share of the cores (tests/helpers/torch_threads.py)
+        from tests.helpers.torch_threads import share_the_cores
+
+        share_the_cores(int(config.workerinput.get("workercount", 1)))
+
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) prints the summary
         config.pluginmanager.register(RunSummary(), "drafter-run-summary")

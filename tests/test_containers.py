@@ -187,9 +187,13 @@ def test_every_stage_runs_in_its_own_container_with_the_keys_and_bytes_of_a_loca
     for fr in children.values():
         assert secret not in json.dumps(fr["parameters"]) + json.dumps(fr["job_variables"])
 
-    # the same release in this process (runner: local) into a local store: same keys, same result bytes
+    # the same release in this process (runner: local) into a local store: same keys, same result bytes (torch on
+    # every core, as in the containers: a worker of `make test` computes on its share, tests/helpers/torch_threads.py)
+    from tests.helpers.torch_threads import all_cores
+
     local = load_config(write_config(tmp_path, tiny_target, tmp_path / "local"))
-    summary = run_all(local, echo=lambda *_: None)
+    with all_cores():
+        summary = run_all(local, echo=lambda *_: None)
     assert {s["stage"]: s["key"] for s in summary["stages"]} == planned
     for stage, key in planned.items():
         lm = json.loads((tmp_path / "local" / stage / key / "manifest.json").read_text())

@@ -33,3 +33,11 @@ def test_the_cores_busy_share_counts_idle_and_iowait_as_idle():
     assert busy_share(a, b) == (360 - 150) / (1330 - 1000)  # 210 busy of 330
     assert busy_share(a, a) is None and busy_share(None, b) is None
     assert cpu_times("") is None and cpu_times("cpu x") is None
+
+
+def test_each_worker_gets_its_share_of_the_cores():
+    from tests.helpers.torch_threads import threads_per_worker
+
+    assert threads_per_worker(2, cores=2) == 1  # make test: two workers, two cores
+    assert threads_per_worker(2, cores=16) == 8 and threads_per_worker(3, cores=16) == 5
+    assert threads_per_worker(4, cores=2) == 1 and threads_per_worker(0, cores=2) == 2  # at least one

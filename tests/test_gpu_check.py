@@ -3,12 +3,15 @@ and exit code 3; its dry run (the CPU standing in for the GPU, small sizes) runs
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.torch_threads import same_threads_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -25,15 +28,18 @@ def test_stops_at_the_boundary_without_cuda(tmp_path):
 
 
 def test_unknown_check_is_refused():
+    """Every name of --only is checked before any check runs: the known 'mtp' before the typo does not run."""
     p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "mtp,warp"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 2 and "unknown check 'warp'" in p.stderr
+    assert p.stdout == "", p.stdout  # no header, no row: nothing measured
 
 
 @pytest.mark.slow
 def test_dry_run_runs_every_check(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--steps", "1", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+                       capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env=os.environ | same_threads_env())  # this worker's share of the cores (tests/helpers/torch_threads.py)
     failed_lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "FAIL" in ln or "Error" in ln]
     assert p.returncode == 0, "\n".join(failed_lines) + "\n" + p.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -15,6 +15,7 @@ from drafter.models import EmbeddedGlm4MoeLayout, freeze, load_drafter
 from drafter.models.target import read_tensor
 from drafter.training.loop import lr_at, train
 from drafter.data.windows import Window, row_part, window_order
+from tests.helpers.torch_threads import ONE_THREAD_ENV
 
 
 @pytest.fixture(scope="module")
@@ -331,12 +332,15 @@ def tiny_capture(tmp_path, tiny_target, num_prompts: int):
     return run_all(load_config(cfg_path), only=["capture"], echo=lambda *_: None)["stages"][-1]["path"]
 
 
-def test_torchrun_two_processes_match_one(tiny_target, tmp_path):
+def test_torchrun_two_processes_match_one(tiny_target, tmp_path, monkeypatch):
     """The same loop under torchrun (2 CPU processes, gloo): gradients averaged across ranks, so
     2 ranks × micro batch 2 reach the weights of 1 process × micro batch 4 (up to summation order)."""
     from safetensors.torch import load_file
 
     from drafter.training.run import run_training
+
+    for k, v in ONE_THREAD_ENV.items():  # the training child and torchrun's ranks: one torch thread each
+        monkeypatch.setenv(k, v)
 
     capture = tiny_capture(tmp_path, tiny_target, num_prompts=24)
     base = dict(loss="lk_hybrid", k_steps=2, window=32, max_steps=6, warmup_steps=1, lr=1e-3, eval_every=100,
