@@ -123,11 +123,31 @@ def results(files: dict, stage: str) -> dict:
             if not any(fnmatch.fnmatch(f, p) for p in MEASUREMENTS.get(stage, ()))}
 
 
+def _assert_a_local_run_has_the_keys_and_result_bytes(tiny_target: Path, tmp_path: Path, planned: dict,
+                                                      manifests: dict) -> None:
+    """The same release in this process (runner: local) into a local store: the containers' keys and statuses, the
+    same result bytes. torch on every core, as in the containers (a worker of `make test` computes on its share:
+    tests/helpers/torch_threads.py)."""
+    from drafter.core.config import load_config
+    from drafter.core.pipeline import run_all
+    from tests.helpers.torch_threads import all_cores
+    from tests.test_release_e2e import write_config
+
+    local = load_config(write_config(tmp_path, tiny_target, tmp_path / "local"))
+    with all_cores():
+        summary = run_all(local, echo=lambda *_: None)
+    assert {s["stage"]: s["key"] for s in summary["stages"]} == planned
+    for stage, key in planned.items():
+        lm = json.loads((tmp_path / "local" / stage / key / "manifest.json").read_text())
+        assert lm["status"] == manifests[stage]["status"], stage
+        assert results(lm["files"], stage) == results(manifests[stage]["files"], stage), stage
+        assert lm["container"] is None or lm["container"]["id"] != manifests[stage]["container"]["id"]
+
+
 @pytest.mark.timeout(2400)
 def test_every_stage_runs_in_its_own_container_with_the_keys_and_bytes_of_a_local_run(
         server, docker_worker, engine, s3, tiny_target, tmp_path):
     from drafter.core.config import load_config
-    from drafter.core.pipeline import run_all
     from tests.test_release_e2e import write_config
 
     api = server["api"]
@@ -187,19 +207,7 @@ def test_every_stage_runs_in_its_own_container_with_the_keys_and_bytes_of_a_loca
     for fr in children.values():
         assert secret not in json.dumps(fr["parameters"]) + json.dumps(fr["job_variables"])
 
-    # the same release in this process (runner: local) into a local store: same keys, same result bytes (torch on
-    # every core, as in the containers: a worker of `make test` computes on its share, tests/helpers/torch_threads.py)
-    from tests.helpers.torch_threads import all_cores
-
-    local = load_config(write_config(tmp_path, tiny_target, tmp_path / "local"))
-    with all_cores():
-        summary = run_all(local, echo=lambda *_: None)
-    assert {s["stage"]: s["key"] for s in summary["stages"]} == planned
-    for stage, key in planned.items():
-        lm = json.loads((tmp_path / "local" / stage / key / "manifest.json").read_text())
-        assert lm["status"] == manifests[stage]["status"], stage
-        assert results(lm["files"], stage) == results(manifests[stage]["files"], stage), stage
-        assert lm["container"] is None or lm["container"]["id"] != manifests[stage]["container"]["id"]
+    _assert_a_local_run_has_the_keys_and_result_bytes(tiny_target, tmp_path, planned, manifests)
 
     # a rerun reuses everything from the store: no container is started
     n = len(podman(engine, "ps", "-aq").split())
