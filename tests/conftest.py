@@ -151,6 +151,5 @@ def pytest_configure(config):
         from tests.helpers.torch_threads import share_the_cores
 
         share_the_cores(int(config.workerinput.get("workercount", 1)))
-
-    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) prints the summary
+    else:  # the controller (or a run without xdist) prints the summary
         config.pluginmanager.register(RunSummary(), "drafter-run-summary")

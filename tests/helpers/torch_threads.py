@@ -7,7 +7,8 @@ chunks, a decoder layer's element-wise work), so that wait, not the arithmetic, 
 training step of the GPU check's dry-run size: 4.0 s with two threads, 0.36 s with one, beside another worker).
 :func:`share_the_cores` (tests/conftest.py, in each worker) gives each worker's torch its share of the cores;
 processes a test starts that compute with torch get :func:`same_threads_env` (bench/gpu_check.py's dry run) or,
-one per core, :data:`ONE_THREAD_ENV` (torchrun's ranks and the training child beside them). vLLM servers bind their own threads (VLLM_CPU_OMP_THREADS_BIND) and are left alone.
+one per core, :data:`ONE_THREAD_ENV` (torchrun's ranks and the training child beside them). vLLM servers bind
+their own threads (VLLM_CPU_OMP_THREADS_BIND) and are left alone.
 """
 from __future__ import annotations
 
