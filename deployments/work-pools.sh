@@ -11,10 +11,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 prefect=${PREFECT:-prefect}
 flags=()
 [ "${OVERWRITE:-0}" = 1 ] && flags+=(--overwrite)
-exists() { "$prefect" work-pool inspect "$1" >/dev/null 2>&1; }
-create() {  # NAME TYPE [ARGS…]
-  if exists "$1" && [ "${OVERWRITE:-0}" != 1 ]; then echo "work pool $1 exists"; return; fi
-  "$prefect" work-pool create "$1" --type "$2" "${@:3}" "${flags[@]}"
+create() {  # NAME TYPE [ARGS…]: one CLI call (each starts Prefect: seconds of CPU), "exists" read from its answer
+  local out
+  if out=$("$prefect" work-pool create "$1" --type "$2" "${@:3}" "${flags[@]}" 2>&1); then echo "$out"; return; fi
+  if [ "${OVERWRITE:-0}" != 1 ] && grep -q "already exists" <<<"$out"; then echo "work pool $1 exists"; return; fi
+  echo "$out" >&2
+  return 1
 }
 create process process
 create docker docker

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -185,13 +186,13 @@ def test_a_stage_flow_cancelled_while_pending_does_not_run_when_its_container_st
     seconds later and, as the server lets CANCELLED go to RUNNING, trained and published the stage."""
     from prefect import flow
     from prefect.states import Cancelled, Cancelling, Pending, Scheduled
-    from drafter_prefect.stages import STAGE_FLOWS, cancelled_before_start
+    from drafter_prefect.stages import cancelled_before_start, stage_flow
 
     why = "runner.timeout_s=6 s passed"
-    state = _run_after(STAGE_FLOWS["train"], Pending(), Cancelled(message=why))
+    state = _run_after(stage_flow("train"), Pending(), Cancelled(message=why))
     assert state.is_cancelled() and why in state.message and "before it started" in state.message, state
     # a run still CANCELLING is not started by the engine at all (the worker finishes the cancellation)
-    state = _run_after(STAGE_FLOWS["capture"], Pending(), Cancelling(message=why))
+    state = _run_after(stage_flow("capture"), Pending(), Cancelling(message=why))
     assert state.type.value == "CANCELLING", state
 
     @flow
@@ -243,3 +244,22 @@ def test_cancelling_a_child_that_starts_meanwhile_still_stops_it(prefect_harness
     monkeypatch.setattr(SyncPrefectClient, "read_flow_run", lambda self, run_id: stale)
     _cancel(raced, "timed out")
     assert history(raced) == ["PENDING", "RUNNING", "CANCELLED", "CANCELLING"]
+
+
+def test_a_stage_entry_point_makes_only_its_own_flow():
+    """Prefect loads `flows/stages.py:scrub_flow` as a stage's container or worker does: that flow alone is made
+    (each costs its parameter schema, ~0.3 s of CPU); every stage has its entry point; a wrong name is refused."""
+    import subprocess
+    import sys
+
+    code = ("from prefect.utilities.importtools import import_object\n"
+            "import drafter_prefect.stages as s\n"
+            "f = import_object('flows/stages.py:scrub_flow')\n"
+            "print(f.name, s.stage_flow.cache_info().currsize)\n"
+            "import flows.stages as m\n"
+            "print(m.__all__ == [n + '_flow' for n in s.ORDER], m.train_flow is s.stage_flow('train'))\n"
+            "try:\n    m.nope_flow\nexcept AttributeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["stage-scrub 1", "True True", "module 'flows.stages' has no attribute 'nope_flow'"]
