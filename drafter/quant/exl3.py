@@ -43,6 +43,8 @@ Example::
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -100,10 +102,26 @@ class Probe:
         return self.missing is None
 
 
+def _probe_this_interpreter() -> dict | None:
+    """PROBE_CODE's answer for this interpreter, found here when it sees no CUDA device (every stage plan asks: a probe
+    process costs a torch import, ~3 s of CPU); None when it sees one (naming the devices would initialize CUDA in
+    this process, which then holds GPU memory for its lifetime: the probe process finds them)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return {"python": sys.executable, "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda": False,
+            "devices": [], "cuda_home": None,  # a toolkit matters only with a device (probe_finding)
+            "exllamav3": importlib.metadata.version("exllamav3") if importlib.util.find_spec("exllamav3") else None}
+
+
 def probe_python(python: str | None = None, timeout_s: float = 120.0) -> Probe:
     """Run a tiny probe in ``python`` (default: this interpreter): torch, CUDA devices, the CUDA toolkit
-    (exllamav3 compiles its extension with it) and whether exllamav3 is installed."""
+    (exllamav3 compiles its extension with it) and whether exllamav3 is installed. This interpreter without a CUDA
+    device answers in this process."""
     python = python or sys.executable
+    if python == sys.executable and (info := _probe_this_interpreter()) is not None:
+        return Probe(python, info, probe_finding(info))
     try:
         proc = subprocess.run([python, "-c", PROBE_CODE], capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
